@@ -1,0 +1,141 @@
+"""Finding the repeated blocks of a model: what gets streamed, and what stays resident.
+
+Rules, in order:
+
+1. ``block_class`` given (a class, a class name, or several): every outermost submodule of that class.
+2. Hugging Face models: the classes named in ``_no_split_modules`` (their decoder layers).
+3. Otherwise: every outermost ``nn.ModuleList`` / ``nn.Sequential`` whose children are two or more
+   modules of one class with parameters (``model.layers``, ``TransformerEncoder.layers``, both lists of
+   ``nn.Transformer``, a user's own block list).
+
+Whatever is found must be safe to stream: no block may share a parameter with another block or with
+the resident part, and a list mixing block classes is refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+
+class BlockDetectionError(ValueError):
+    """The model's blocks could not be found or cannot be streamed; the message says what to pass."""
+
+
+def _class_matches(module: nn.Module, wanted: Sequence[type | str]) -> bool:
+    for w in wanted:
+        if isinstance(w, str):
+            if type(module).__name__ == w or f"{type(module).__module__}.{type(module).__name__}" == w:
+                return True
+        elif isinstance(module, w):
+            return True
+    return False
+
+
+def _outermost(root: nn.Module, wanted: Sequence[type | str]) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if _class_matches(child, wanted):
+                found.append((path, child))
+            else:
+                visit(path, child)
+
+    visit("", root)
+    return found
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _repeated_lists(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """Outermost homogeneous block lists, and the paths of lists that mix block classes."""
+    blocks: list[tuple[str, nn.Module]] = []
+    mixed: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                members = [(f"{path}.{n}", c) for n, c in child.named_children() if _has_params(c)]
+                classes = {type(c) for _, c in members}
+                if len(members) >= 2 and len(classes) == 1:
+                    blocks.extend(members)
+                    continue
+                if len(members) >= 2 and len(classes) > 1 and all(len(list(c.children())) > 0 for _, c in members):
+                    mixed.append(f"{path} ({', '.join(sorted(c.__name__ for c in classes))})")
+            visit(path, child)
+
+    visit("", root)
+    return blocks, mixed
+
+
+def find_blocks(root: nn.Module, block_class: type | str | Sequence[type | str] | None = None) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every block to stream, in registration order.
+
+    Raises:
+        BlockDetectionError: nothing to stream, a mixed block list, or blocks that share parameters.
+    """
+    if block_class is not None:
+        wanted = [block_class] if isinstance(block_class, (str, type)) else list(block_class)
+        blocks = _outermost(root, wanted)
+        if not blocks:
+            names = sorted({type(m).__name__ for m in root.modules()})
+            raise BlockDetectionError(
+                f"block_class={block_class!r} matches no submodule of {type(root).__name__}. "
+                f"Module classes present: {', '.join(names)}."
+            )
+    else:
+        blocks = []
+        for m in root.modules():
+            names = getattr(m, "_no_split_modules", None)
+            if names and hasattr(m, "config"):
+                blocks = _outermost(root, list(names))
+                break
+        if not blocks:
+            blocks, mixed = _repeated_lists(root)
+            if not blocks:
+                hint = (
+                    f" Block lists mixing classes were found: {'; '.join(mixed)}; name the ones to stream with "
+                    "MegaTrainStrategy(block_class=...)."
+                    if mixed
+                    else ""
+                )
+                raise BlockDetectionError(
+                    f"MegaTrainStrategy found no repeated blocks in {type(root).__name__}: it streams the "
+                    "layers of a ModuleList of same-class blocks (such as `model.layers`), one at a time."
+                    f"{hint} If the model has such layers under another structure, pass "
+                    "MegaTrainStrategy(block_class=\"YourBlockClass\")."
+                )
+    _check_no_sharing(root, blocks)
+    return blocks
+
+
+def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    owner: dict[int, str] = {}
+    seen_modules: dict[int, str] = {}
+    for name, block in blocks:
+        if id(block) in seen_modules:
+            raise BlockDetectionError(
+                f"the same block object appears as {seen_modules[id(block)]} and {name}: a block reused "
+                "at several depths shares its weights, which MegaTrainStrategy cannot stream. Give each "
+                "depth its own module (or pass block_class to stream a different level)."
+            )
+        seen_modules[id(block)] = name
+        for pname, p in block.named_parameters():
+            if id(p) in owner and owner[id(p)] != name:
+                raise BlockDetectionError(
+                    f"blocks {owner[id(p)]} and {name} share the parameter {pname}: shared weights cannot be "
+                    "streamed per block. Untie them, or pass block_class to stream a level without sharing."
+                )
+            owner[id(p)] = name
+    for pname, p in root.named_parameters(remove_duplicate=False):
+        if id(p) in owner and not pname.startswith(owner[id(p)] + "."):
+            raise BlockDetectionError(
+                f"{pname} is the same parameter as one inside block {owner[id(p)]}: a weight shared between "
+                "a streamed block and the rest of the model cannot be streamed. Untie it, or pass block_class."
+            )

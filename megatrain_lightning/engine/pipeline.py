@@ -1,0 +1,531 @@
+"""The streaming engine: host store, device slots, three streams, a gradient path and a host worker.
+
+Data flow of one micro-batch (see DESIGN.md section 4):
+
+* forward: block ``i`` waits for its weights in a slot (``ready`` event), runs without keeping
+  activations, marks the slot free (``free`` event); meanwhile the host→device stream fills the other
+  slots with the next blocks of the predicted call order.
+* backward: blocks in reverse; each is recomputed from its saved input with re-streamed weights, its
+  parameter gradients are packed into one flat device slab (fp32) and go to the host in one copy on the
+  device→host stream, straight into the pinned fp32 accumulator when nothing is pending there, else into
+  a pinned staging buffer that the host worker thread adds in once the copy's event has completed.
+* the resident parameters (everything outside the blocks) live on the device during a step, as fp32
+  copies of their host masters; their gradients go back the same way at the end of the backward.
+
+Ordering is by events only; the one host synchronisation per micro-batch is at the end of the backward,
+where the host optimizer needs the gradients. On a machine without CUDA the same code runs with the
+CPU as the device: copies are plain copies, streams and events are no-ops, and the worker thread is
+ordered by futures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .device_slots import BlockBinding, DeviceSlots
+from .host_store import FlatStore, PinnedRegistry
+from .streamed_block import CallSpec, StreamedBlock
+
+RESIDENT = -1  # counter key of the resident parameters
+
+
+class _NoEvent:
+    """Stands in for ``torch.cuda.Event`` on the CPU, where every copy has completed when it returns."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Streams:
+    """Compute (the caller's current stream), host→device and device→host streams; no-ops on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def event(self) -> Any:
+        return torch.cuda.Event() if self.cuda else _NoEvent()
+
+    def compute(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def wait(self, waiter: Any, event: Any) -> None:
+        """Make ``waiter`` (a stream) wait for ``event``: device-side, the host does not block."""
+        if self.cuda:
+            waiter.wait_event(event)
+
+
+@dataclass
+class CopyCounters:
+    """How often each block's weights went to the device, were reused there, and its gradients came back.
+
+    Keys are block indices, and ``RESIDENT`` for the resident parameters.
+    """
+
+    h2d: dict[int, int] = field(default_factory=dict)
+    reused: dict[int, int] = field(default_factory=dict)
+    d2h: dict[int, int] = field(default_factory=dict)
+
+    def bump(self, table: dict[int, int], key: int) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+class _GradPath:
+    """Device slabs → pinned host memory → fp32 accumulators, for blocks and resident parameters."""
+
+    def __init__(self, streams: _Streams, numel: int, device: torch.device, pins: PinnedRegistry) -> None:
+        self.streams = streams
+        self.numel = numel
+        self.device = device
+        self.pins = pins
+        # Two device slabs: block i's slab is overwritten by block i+2 only after its D2H copy finished.
+        self.slabs = [torch.empty(numel, device=device) for _ in range(2)]
+        self.slab_done = [streams.event() for _ in range(2)]
+        self.slab_written = [streams.event() for _ in range(2)]
+        self.turn = 0
+        # Pinned staging for accumulation, allocated on first need; each has the future of its last use.
+        self.staging: list[torch.Tensor] = []
+        self.staging_busy: list[Future | None] = []
+        self.staging_turn = 0
+        self._staged = 0
+        self.busy: dict[int, Future] = {}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        self.pending: list[Future] = []
+
+    def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None]) -> None:
+        """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host."""
+        layout = store.layout
+        n = layout.numel
+        k = self.turn
+        self.turn ^= 1
+        slab = self.slabs[k][:n]
+        compute = self.streams.compute()
+        # Slab lifetime: wait (on the device) until the previous D2H copy out of this slab has finished.
+        self.streams.wait(compute, self.slab_done[k])
+        slab.zero_()  # padding and absent gradients must read as zeros on the host
+        present = [(v, g) for v, g in zip(layout.views(slab), grads) if g is not None]
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32
+        self.slab_written[k].record(compute)
+
+        host = store.grad_buffer()
+        fresh = [g is not None and p.grad is None for p, g in zip(layout.params, grads)]
+        held = [p.grad is not None for p in layout.params]
+        # Straight into the accumulator only when it holds nothing that must be kept.
+        direct = all(p.grad is None for p in layout.params) and not self._busy(store)
+        target = host[:n] if direct else self._take_staging(n)
+        with self.streams.on(self.streams.d2h):
+            self.streams.wait(self.streams.d2h, self.slab_written[k])
+            target.copy_(slab, non_blocking=True)
+            self.slab_done[k].record(self.streams.d2h)
+        if not direct:
+            fut = self.worker.submit(self._accumulate, self.slab_done[k], store, target, fresh, held)
+            self.staging_busy[self._staged] = fut
+            self.busy[id(store)] = fut
+            self.pending.append(fut)
+        for p, view, f in zip(layout.params, store.grad_views, fresh):
+            if f:
+                p.grad = view
+
+    def _busy(self, store: FlatStore) -> bool:
+        fut = self.busy.get(id(store))
+        return fut is not None and not fut.done()
+
+    def _take_staging(self, n: int) -> torch.Tensor:
+        if not self.staging:
+            self.staging = [self.pins.empty(self.numel) for _ in range(2)]
+            self.staging_busy = [None, None]
+        j = self._staged = self.staging_turn
+        self.staging_turn ^= 1
+        busy = self.staging_busy[j]
+        if busy is not None:
+            busy.result()  # host wait: the worker must have consumed this staging buffer
+        return self.staging[j][:n]
+
+    @staticmethod
+    def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[bool], held: list[bool]) -> None:
+        """Host worker: add (or, for parameters whose ``.grad`` was None, copy) a staged gradient."""
+        done.synchronize()  # the worker waits for the D2H copy, the thread feeding the GPU does not
+        assert store.grad is not None
+        if not any(fresh):
+            store.grad[: staged.numel()].add_(staged)  # one flat add; absent gradients are zeros
+            return
+        for view, src, f, h in zip(store.grad_views, store.layout.views(staged), fresh, held):
+            if f:
+                view.copy_(src)
+            elif h:
+                view.add_(src)
+
+    def drain(self) -> None:
+        """Host sync point: every gradient of this backward is in its fp32 accumulator after this."""
+        if self.streams.cuda:
+            self.streams.d2h.synchronize()
+        for fut in self.pending:
+            fut.result()
+        self.pending.clear()
+        self.busy.clear()
+
+    def close(self) -> None:
+        self.drain()
+        self.worker.shutdown(wait=True)
+
+
+class StreamingEngine:
+    """Streams ``blocks`` through ``slots`` device buffers; everything else is resident during a step.
+
+    Args:
+        root: the whole model. Its parameters outside ``blocks`` are resident: on the device during a
+            step (fp32 copies of their host masters), on the host otherwise.
+        blocks: the repeated blocks of ``root``, in their usual forward order. Their ``forward`` is
+            replaced by a streaming one for the engine's lifetime (:meth:`close` restores it).
+        device: the compute device; the CPU runs the very same path (copies are plain copies).
+        compute_dtype: dtype of the block weights on the device. ``torch.bfloat16`` halves slot memory
+            and runs matmuls on tensor cores; masters and gradients stay fp32 on the host either way.
+        slots: device weight buffers (>= 2). More slots prefetch deeper; each costs one block of memory.
+        pin_memory: pin the host masters and gradient accumulators (exact size) so copies run at full
+            link speed; only meaningful with CUDA. ``None``: pin when the device is CUDA.
+        group_of: ``id(param) -> optimizer param-group number``, so each (block, group) pair is one
+            contiguous range of the flat buffers.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        blocks: Sequence[nn.Module],
+        device: torch.device,
+        compute_dtype: torch.dtype = torch.float32,
+        slots: int = 2,
+        pin_memory: bool | None = None,
+        group_of: dict[int, int] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.streams = _Streams(self.device)
+        self.pins = PinnedRegistry(self.streams.cuda if pin_memory is None else pin_memory)
+        group_of = group_of or {}
+
+        def groups(ps: Sequence[nn.Parameter]) -> list[int]:
+            return [group_of.get(id(p), 1 << 30) for p in ps]
+
+        self.blocks = list(blocks)
+        self.stores: list[FlatStore] = []
+        self.bindings: list[BlockBinding] = []
+        for block in self.blocks:
+            ps = list(block.parameters())
+            store = FlatStore(ps, self.pins, groups(ps))
+            self.stores.append(store)
+            binding = BlockBinding(block, store.params)
+            binding.buffers_to(self.device)
+            self.bindings.append(binding)
+        in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
+        self.root = root
+        self.resident = [p for p in root.parameters() if id(p) not in in_blocks]
+        self.resident_store = FlatStore(self.resident, self.pins, groups(self.resident)) if self.resident else None
+        self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
+
+        max_numel = max(s.numel for s in self.stores)
+        self.slots = DeviceSlots(slots, max_numel, compute_dtype, self.device)
+        self._ready = [self.streams.event() for _ in range(slots)]
+        self._free = [self.streams.event() for _ in range(slots)]
+        self._slot_used = [False] * slots
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grad_numel = max([max_numel] + ([self.resident_store.numel] if self.resident_store else []))
+        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins)
+        self.counters = CopyCounters()
+
+        # Predicted call order of one micro-batch (forward, then backward) and the position in it.
+        n = len(self.blocks)
+        self._order: list[int] = list(range(n)) + list(reversed(range(n)))
+        self._pos = 0
+        self._recorded: list[int] = []
+
+        # Resident parameters: fp32 device copies, swapped into ``param.data`` during a step.
+        self._res_device: torch.Tensor | None = None
+        self._res_views: list[torch.Tensor] = []
+        self._res_on_device = False
+        self._res_stale = True
+        self._res_saved_grads: list[torch.Tensor | None] = []
+        self.in_step = False
+        self.training = False
+
+        self._original_forwards: dict[int, Callable[..., Any]] = {}
+        for i, block in enumerate(self.blocks):
+            block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
+        # Any module owning a resident parameter pulls the resident set onto the device when it runs.
+        self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in self._resident_owners()]
+
+    # ------------------------------------------------------------------ step scope
+    def open_step(self, training: bool) -> None:
+        """Enter a step: resident weights go to the device and the first blocks start streaming in."""
+        self.in_step = True
+        self.training = training
+        self._pos = 0
+        self._recorded = []
+        self.ensure_resident()
+        self._prefetch(current=None)
+
+    def end_call(self) -> None:
+        """The user's step function returned; blocks called from now on (outside a step) run on the host."""
+        self.in_step = False
+
+    def finish_backward(self) -> None:
+        """After ``loss.backward()``: resident gradients home, one host sync, host grads attached.
+
+        Sync point: waits for every device→host gradient copy and the host worker.
+        """
+        self._resident_to_host(with_grads=True)
+        self.grads.drain()
+        if self.streams.cuda:
+            self.streams.h2d.synchronize()  # no copy may still read a master the optimizer will write
+        if self._recorded:
+            self._order = self._recorded + list(reversed(self._recorded))
+        self._recorded = []
+        self._pos = 0
+
+    def settle(self) -> None:
+        """Leave any step: resident parameters back to their host masters, the worker idle."""
+        self.in_step = False
+        self._resident_to_host(with_grads=True)
+        self.grads.drain()
+
+    def weights_changed(self) -> None:
+        """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
+        self.slots.invalidate()
+        self._res_stale = True
+
+    # ------------------------------------------------------------------ resident parameters
+    def _resident_owners(self) -> list[nn.Module]:
+        ids = {id(p) for p in self.resident}
+        block_ids = {id(b) for b in self.blocks}
+        owners: list[nn.Module] = []
+        stack: list[nn.Module] = [self.root]
+        seen: set[int] = set()
+        while stack:
+            m = stack.pop()
+            if id(m) in seen or id(m) in block_ids:
+                continue
+            seen.add(id(m))
+            if any(p is not None and id(p) in ids for p in m._parameters.values()):
+                owners.append(m)
+            stack.extend(c for c in m._modules.values() if c is not None)
+        return owners
+
+    def _resident_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self.in_step:
+            self.ensure_resident()
+
+    def ensure_resident(self) -> None:
+        """Point resident parameters at their device copies (refreshed first if the masters changed)."""
+        if self._res_on_device or self.resident_store is None:
+            return
+        store = self.resident_store
+        if self._res_device is None:
+            self._res_device = torch.empty(store.numel, device=self.device)
+            self._res_views = store.layout.views(self._res_device)
+        if self._res_stale:
+            compute = self.streams.compute()
+            with self.streams.on(self.streams.h2d):
+                if self.streams.cuda:
+                    self.streams.h2d.wait_stream(compute)  # no queued kernel may still read the old copy
+                self._res_device.copy_(store.master, non_blocking=True)
+                ev = self.streams.event()
+                ev.record(self.streams.h2d)
+            self.streams.wait(compute, ev)
+            self.counters.bump(self.counters.h2d, RESIDENT)
+            self._res_stale = False
+        self._res_saved_grads = []
+        for p, dv in zip(store.params, self._res_views):
+            self._res_saved_grads.append(p.grad)
+            p.grad = None  # device gradients accumulate from zero; the host keeps what was there
+            p.data = dv
+        self._res_on_device = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad`` ran. Mid-step (Lightning zeroes after the forward of a window's
+        first micro-batch) the resident parameters' host gradients are parked, out of its reach: clear
+        them here as it would have."""
+        if not self._res_on_device:
+            return
+        if set_to_none:
+            self._res_saved_grads = [None] * len(self._res_saved_grads)
+        else:
+            for g in self._res_saved_grads:
+                if g is not None:
+                    g.zero_()
+
+    def _resident_to_host(self, with_grads: bool) -> None:
+        if not self._res_on_device or self.resident_store is None:
+            return
+        store = self.resident_store
+        grads = [p.grad for p in store.params]
+        for p, host_view, saved in zip(store.params, store.master_views, self._res_saved_grads):
+            p.grad = None
+            p.data = host_view
+            p.grad = saved
+        self._res_on_device = False
+        if with_grads and any(g is not None for g in grads):
+            self.grads.send(store, grads)
+            self.counters.bump(self.counters.d2h, RESIDENT)
+
+    # ------------------------------------------------------------------ blocks
+    def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
+        original = type(block).forward
+        self._original_forwards[index] = original
+        engine = self
+
+        def streamed_forward(*args: Any, **kwargs: Any) -> Any:
+            if not engine.in_step:
+                return original(block, *args, **kwargs)  # outside a step: a plain host module
+            _no_kv_cache(kwargs)
+            if not torch.is_grad_enabled():
+                weights = engine.acquire(index)
+                try:
+                    return engine.run_forward(index, args, kwargs, weights=weights)
+                finally:
+                    engine.release(index)
+            engine._recorded.append(index)  # the call order predicts the next micro-batch's prefetches
+            spec = CallSpec(args, kwargs)
+            anchor = engine._anchor()
+            outs = StreamedBlock.apply(engine, index, spec, anchor, *spec.tensors())
+            return spec.rebuild_output(outs)
+
+        return streamed_forward
+
+    def _anchor(self) -> torch.Tensor:
+        if not hasattr(self, "_anchor_t"):
+            self._anchor_t = torch.zeros((), device=self.device, requires_grad=True)
+        return self._anchor_t
+
+    def requires_grad_flags(self, block: int) -> Sequence[bool]:
+        return self._flags[block]
+
+    def run_forward(self, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor] | None = None) -> Any:
+        if weights is None:
+            weights = self.acquire(block)
+            release = True
+        else:
+            release = False
+        try:
+            with self.bindings[block].bound(weights):
+                return self._original_forwards[block](self.blocks[block], *args, **kwargs)
+        finally:
+            if release:
+                self.release(block)
+
+    def acquire(self, block: int) -> list[torch.Tensor]:
+        """Weights of ``block`` in a device slot, ready for the compute stream (a device-side wait)."""
+        try:
+            self._pos = self._order.index(block, self._pos) + 1
+        except ValueError:
+            pass
+        s = self.slots.slot_of(block)
+        if s is None:
+            s = self._load(block, protect={block})
+        elif self._slot_used[s]:
+            self.counters.bump(self.counters.reused, block)
+        self._slot_used[s] = True
+        self.streams.wait(self.streams.compute(), self._ready[s])
+        self._prefetch(current=block)
+        key = (block, s)
+        if key not in self._views:
+            self._views[key] = self.stores[block].layout.views(self.slots.buffers[s])
+        return self._views[key]
+
+    def release(self, block: int) -> None:
+        s = self.slots.slot_of(block)
+        if s is not None:
+            self._free[s].record(self.streams.compute())
+
+    def _prefetch(self, current: int | None) -> None:
+        window = []
+        for b in self._order[self._pos : self._pos + self.slots.depth - (0 if current is None else 1)]:
+            if b not in window:
+                window.append(b)
+        protect = set(window) | ({current} if current is not None else set())
+        for b in window:
+            if self.slots.slot_of(b) is None:
+                if self._free_slot(protect) is None:
+                    return
+                self._load(b, protect)
+
+    def _free_slot(self, protect: set[int]) -> int | None:
+        for s, b in enumerate(self.slots.block_in_slot):
+            if b is None:
+                return s
+        for s, b in enumerate(self.slots.block_in_slot):
+            if b not in protect:
+                return s
+        return None
+
+    def _load(self, block: int, protect: set[int]) -> int:
+        s = self._free_slot(protect)
+        if s is None:
+            raise RuntimeError("no free device slot: raise `slots`")
+        store = self.stores[block]
+        n = store.numel
+        h2d = self.streams.h2d
+        with self.streams.on(h2d):
+            # Slot lifetime: the copy must not overwrite weights a queued kernel still reads.
+            self.streams.wait(h2d, self._free[s])
+            if self.slots.staging is not None:
+                stage = self.slots.staging[s][:n]
+                stage.copy_(store.master, non_blocking=True)
+                self.slots.buffers[s][:n].copy_(stage)  # fp32 -> compute dtype on the device
+            else:
+                self.slots.buffers[s][:n].copy_(store.master, non_blocking=True)
+            self._ready[s].record(h2d)
+        self.slots.block_in_slot[s] = block
+        self._slot_used[s] = False
+        self.counters.bump(self.counters.h2d, block)
+        return s
+
+    def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
+        self.grads.send(self.stores[block], grads)
+        self.counters.bump(self.counters.d2h, block)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Restore the blocks' own ``forward``, drop device memory and unpin the host buffers.
+
+        The parameters stay views of the (now pageable) host buffers: the trained values.
+        """
+        self.settle()
+        self.grads.close()
+        for block in self.blocks:
+            if "forward" in block.__dict__:
+                del block.forward
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self.pins.close()
+
+    def reset_counters(self) -> None:
+        self.counters = CopyCounters()
+
+    def all_stores(self) -> list[FlatStore]:
+        return self.stores + ([self.resident_store] if self.resident_store else [])
+
+
+def _no_kv_cache(kwargs: dict) -> None:
+    """Hugging Face decoder layers: a recomputed layer must not append to a KV cache a second time."""
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+        if key in kwargs:
+            kwargs[key] = None

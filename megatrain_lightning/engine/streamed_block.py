@@ -1,0 +1,165 @@
+"""The autograd Function that runs one streamed block: forward keeps only its inputs, backward recomputes.
+
+Forward runs the block under ``no_grad`` with its weights bound to a device slot, so no activation
+inside the block outlives the call; only the block's tensor inputs are saved. Backward re-streams the
+weights, restores the RNG and autocast state of the forward (dropout masks match bit for bit), reruns
+the block with grad enabled, and takes the gradients of its inputs and its parameters in one
+``autograd.grad`` call; the parameter gradients go to the engine, which ships them to the host.
+
+The Function is handed the engine as a non-tensor argument (``runner``); it knows nothing of streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class BlockRunner(Protocol):
+    """What :class:`StreamedBlock` needs from the engine."""
+
+    device: torch.device
+
+    def acquire(self, block: int) -> Sequence[torch.Tensor]: ...
+
+    def release(self, block: int) -> None: ...
+
+    def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None: ...
+
+    def run_forward(self, block: int, args: tuple, kwargs: dict) -> Any: ...
+
+    def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
+
+
+class _RecomputeState:
+    """RNG and autocast state at the time of a block's forward, replayed in its recompute."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        for dev in {"cpu", device.type}:
+            self.autocast.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+
+    def replay(self) -> "_Replay":
+        return _Replay(self)
+
+
+class _Replay:
+    def __init__(self, state: _RecomputeState) -> None:
+        self.state = state
+        self._stack: list[Any] = []
+
+    def __enter__(self) -> None:
+        st = self.state
+        devices = [st.device] if st.cuda_rng is not None else []
+        fork = torch.random.fork_rng(devices=devices, device_type="cuda")
+        fork.__enter__()
+        self._stack.append(fork)
+        torch.set_rng_state(st.cpu_rng)
+        if st.cuda_rng is not None:
+            torch.cuda.set_rng_state(st.cuda_rng, st.device)
+        for dev, enabled, dtype in st.autocast:
+            ac = torch.autocast(device_type=dev, dtype=dtype, enabled=enabled)
+            ac.__enter__()
+            self._stack.append(ac)
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._stack:
+            self._stack.pop().__exit__(*exc)
+
+
+class StreamedBlock(torch.autograd.Function):
+    """``apply(runner, block, spec, anchor, *tensors)`` -> flat output tensors.
+
+    ``spec`` rebuilds ``(args, kwargs)`` from ``tensors`` (pytree). ``anchor`` is a scalar that
+    requires grad, so the block's backward runs (and its parameters get gradients) even when none of
+    its inputs requires grad (a frozen embedding, say).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, runner: BlockRunner, block: int, spec: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.runner = runner
+        ctx.block = block
+        ctx.spec = spec
+        ctx.recompute = _RecomputeState(runner.device)
+        ctx.set_materialize_grads(False)
+        args, kwargs = spec.rebuild(tensors)
+        out = runner.run_forward(block, args, kwargs)
+        flat_out, out_spec = pytree.tree_flatten(out)
+        ctx.out_tensor_idx = [i for i, o in enumerate(flat_out) if isinstance(o, torch.Tensor)]
+        spec.set_output(flat_out, out_spec, ctx.out_tensor_idx)
+        outs = tuple(flat_out[i] for i in ctx.out_tensor_idx)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ctx.save_for_backward(*tensors)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> Any:
+        runner: BlockRunner = ctx.runner
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in saved]
+        diff_inputs = [t for t in inputs if t.requires_grad]
+        weights = runner.acquire(ctx.block)
+        flags = runner.requires_grad_flags(ctx.block)
+        leaves = [w.detach().requires_grad_(f) for w, f in zip(weights, flags)]
+        grad_leaves = [w for w in leaves if w.requires_grad]
+        with torch.enable_grad(), ctx.recompute.replay():
+            args, kwargs = ctx.spec.rebuild(inputs)
+            out = runner.run_forward(ctx.block, args, kwargs, weights=leaves)
+        flat_out = pytree.tree_leaves(out)
+        outs = [flat_out[i] for i in ctx.out_tensor_idx]
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+        targets = diff_inputs + grad_leaves
+        if pairs and targets:
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+            )
+        else:
+            grads = (None,) * len(targets)
+        # Slot lifetime: the recompute's kernels are queued; the slot is free once they have run.
+        runner.release(ctx.block)
+        it = iter(grads[len(diff_inputs) :])
+        param_grads = [next(it) if f else None for f in flags]
+        runner.offload_grads(ctx.block, param_grads)
+        in_it = iter(grads[: len(diff_inputs)])
+        input_grads = [next(in_it) if t.requires_grad else None for t in inputs]
+        return (None, None, None, None, *input_grads)
+
+
+class CallSpec:
+    """Pytree structure of one block call: tensors travel through autograd, the rest is kept here."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        flat, self.tree = pytree.tree_flatten((args, kwargs))
+        self.tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.flat = flat
+        self.out_flat: list[Any] = []
+        self.out_tree: Any = None
+        self.out_idx: list[int] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat[i] for i in self.tensor_idx]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        flat = list(self.flat)
+        for i, t in zip(self.tensor_idx, tensors):
+            flat[i] = t
+        args, kwargs = pytree.tree_unflatten(flat, self.tree)
+        return args, kwargs
+
+    def set_output(self, flat_out: list[Any], out_tree: Any, idx: list[int]) -> None:
+        # Non-tensor leaves of the output (None, ints) are kept; tensors are dropped here so that the
+        # spec, which lives as long as the graph, does not hold the block's output alive.
+        self.out_flat = [None if isinstance(o, torch.Tensor) else o for o in flat_out]
+        self.out_tree = out_tree
+        self.out_idx = idx
+
+    def rebuild_output(self, outs: Sequence[torch.Tensor]) -> Any:
+        flat = list(self.out_flat)
+        for i, t in zip(self.out_idx, outs):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, self.out_tree)

@@ -1,0 +1,105 @@
+"""MegaTrainPrecision: the dtype policy and the step sequence of a streamed model.
+
+``"32-true"``: fp32 everywhere (exact parity with Lightning's default strategy).
+``"bf16-mixed"``: block weights travel and compute in bf16 under autocast; masters, gradients and
+optimizer state stay fp32 on the host; resident parameters run as fp32 device copies under autocast.
+
+Unlike Lightning's precision plugins it does not call ``optimizer.step(closure)``: it runs the closure
+(forward + backward), brings every gradient home, runs the user's hooks and clipping on the host
+gradients, and steps the optimizer on the host store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Generator, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from .engine.pipeline import StreamingEngine
+from .optim import HostOptimizer
+
+_PRECISION = Literal["32-true", "bf16-mixed"]
+
+
+class MegaTrainPrecision(Precision):
+    """Precision plugin of :class:`~megatrain_lightning.MegaTrainStrategy`.
+
+    Args:
+        precision: ``"32-true"`` or ``"bf16-mixed"``. bf16 halves the weight bytes on the device and runs
+            the matmuls on tensor cores; host state is fp32 in both.
+        device_type: ``"cuda"`` or ``"cpu"``: where autocast applies.
+    """
+
+    def __init__(self, precision: _PRECISION = "32-true", device_type: str = "cuda") -> None:
+        if precision not in ("32-true", "bf16-mixed"):
+            raise ValueError(
+                f"MegaTrainStrategy supports precision='32-true' or 'bf16-mixed', got {precision!r}. "
+                "fp16 would need a loss scaler across host and device; use bf16-mixed."
+            )
+        self.precision = precision
+        self.device_type = device_type
+        self.engine: StreamingEngine | None = None
+        self.host_optimizers: dict[int, HostOptimizer] = {}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
+
+    def attach(self, engine: StreamingEngine | None, host_optimizers: dict[int, HostOptimizer]) -> None:
+        """Connect the engine and the host optimizers (keyed by ``id`` of the user's optimizer)."""
+        self.engine = engine
+        self.host_optimizers = host_optimizers
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module  # deliberate no-op: masters stay fp32 on the host; the slots hold the compute dtype
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "bf16-mixed":
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    @override
+    def backward(  # type: ignore[override]
+        self,
+        tensor: torch.Tensor,
+        model: "pl.LightningModule",
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        model.backward(tensor, *args, **kwargs)
+        if self.engine is not None:
+            # Host sync point: all gradients are in host memory before on_after_backward sees them.
+            self.engine.finish_backward()
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: "pl.LightningModule",
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if kwargs:
+            raise TypeError(f"MegaTrainStrategy steps the optimizer on the host without arguments, got {sorted(kwargs)}")
+        closure_result = closure()
+        if self.engine is not None:
+            self.engine.settle()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, configure_gradient_clipping
+        host = self.host_optimizers.get(id(optimizer))
+        if host is None:
+            optimizer.step()
+        else:
+            host.step()
+        if self.engine is not None:
+            self.engine.weights_changed()
+        return closure_result

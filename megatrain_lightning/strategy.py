@@ -1,0 +1,245 @@
+"""MegaTrainStrategy: a thin Lightning adapter over :class:`~megatrain_lightning.engine.pipeline.StreamingEngine`.
+
+The LightningModule never moves to the device. At setup its repeated blocks are found, every parameter
+becomes a view of a flat fp32 host buffer, and the blocks' ``forward`` is replaced by a streaming one.
+Each step then opens the engine (resident parameters onto the device, first blocks prefetched), runs
+the user's step, and the precision plugin brings gradients home and steps the optimizer on the host.
+This module knows nothing of CUDA streams; the engine knows nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Generator, Mapping, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from .blocks import find_blocks
+from .engine.host_store import param_groups_index
+from .engine.pipeline import StreamingEngine
+from .optim import HostOptimizer
+from .precision import MegaTrainPrecision
+
+log = logging.getLogger(__name__)
+
+
+class MegaTrainStrategy(SingleDeviceStrategy):
+    """Train models larger than device memory: host-resident fp32 state, blocks streamed through the device.
+
+    Args:
+        slots: device weight buffers (>= 2). Two double-buffer (copy block i+1 while block i computes);
+            more prefetch deeper, at one block of device memory each.
+        block_class: the class (or class name, or several) of the blocks to stream, when automatic
+            detection (Hugging Face decoder layers, a ``ModuleList`` of same-class blocks) is not wanted.
+        device: the compute device; default: the Trainer's accelerator device (``cuda:0`` or ``cpu``).
+        pin_memory: pin host masters and gradient buffers (exact size, not the caching allocator's
+            power-of-two rounding) for full-speed copies. ``None``: pin when training on CUDA.
+        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; a precision plugin
+            chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
+    """
+
+    strategy_name = "megatrain"
+
+    def __init__(
+        self,
+        slots: int = 2,
+        block_class: type | str | Sequence[type | str] | None = None,
+        device: _DEVICE | None = None,
+        pin_memory: bool | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        if slots < 2:
+            raise ValueError(f"slots={slots}: MegaTrainStrategy needs at least 2 device slots to overlap copies")
+        self.slots = slots
+        self.block_class = block_class
+        self.pin_memory = pin_memory
+        self._explicit_device = torch.device(device) if device is not None else None
+        self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
+        self.engine: StreamingEngine | None = None
+        self.precision_plugin = precision_plugin  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ device and precision
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._explicit_device is not None:
+            return self._explicit_device
+        if self.parallel_devices:
+            return self.parallel_devices[0]
+        return torch.device("cpu")
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> MegaTrainPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = MegaTrainPrecision("32-true", self.root_device.type)
+        assert isinstance(plugin, MegaTrainPrecision)
+        return plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or isinstance(plugin, MegaTrainPrecision):
+            self._precision_plugin = plugin
+            return
+        # The connector hands us the plugin it chose from Trainer(precision=...): translate it.
+        name = getattr(plugin, "precision", "32-true")
+        self._precision_plugin = MegaTrainPrecision(name, self.root_device.type)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # configure_model builds on the host: the host store is the model's home, not the device.
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # deliberate no-op: parameters stay host tensors; the engine streams them
+
+    # ------------------------------------------------------------------ setup / teardown
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self._check_supported(module, trainer)
+        blocks = [m for _, m in find_blocks(module, self.block_class)]
+        for b in blocks:
+            if getattr(b, "gradient_checkpointing", False):
+                b.gradient_checkpointing = False  # the engine recomputes every block already
+        module.cpu()
+        self.engine = StreamingEngine(
+            module,
+            blocks,
+            device=self.root_device,
+            compute_dtype=precision.compute_dtype,
+            slots=self.slots,
+            pin_memory=self.pin_memory,
+            group_of=param_groups_index(self.optimizers),
+        )
+        stores = self.engine.all_stores()
+        hosts = {id(opt): HostOptimizer(opt, stores, self.engine.zero_grad) for opt in self.optimizers}
+        precision.attach(self.engine, hosts)
+        self.setup_precision_plugin()
+        module._device = self.root_device  # LightningModule.device reports where the batches go
+
+    def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        for m in module.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and getattr(cfg, "output_router_logits", False) and trainer.state.fn == TrainerFn.FITTING:
+                raise ValueError(
+                    f"{type(m).__name__} has config.output_router_logits=True: its router auxiliary loss is "
+                    "collected by hooks during the forward, which MegaTrainStrategy runs without autograd "
+                    "(blocks are recomputed in backward), so the loss would carry no gradient. Set "
+                    "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
+                )
+        if trainer.gradient_clip_algorithm is not None and str(trainer.gradient_clip_algorithm) not in (
+            "norm", "value", "GradClipAlgorithmType.NORM", "GradClipAlgorithmType.VALUE"
+        ):
+            raise ValueError(f"unsupported gradient_clip_algorithm {trainer.gradient_clip_algorithm}")
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            self.precision_plugin.attach(None, {})
+        super().teardown()
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def _step(self, training: bool) -> Generator[None, None, None]:
+        engine = self.engine
+        if engine is None:
+            yield
+            return
+        engine.settle()
+        engine.open_step(training)
+        try:
+            yield
+        finally:
+            engine.end_call()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step(training=True):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step(training=False):
+            out = super().validation_step(*args, **kwargs)
+        self._settle()
+        return out
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step(training=False):
+            out = super().test_step(*args, **kwargs)
+        self._settle()
+        return out
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step(training=False):
+            out = super().predict_step(*args, **kwargs)
+        self._settle()
+        return out
+
+    def _settle(self) -> None:
+        if self.engine is not None:
+            self.engine.settle()
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the host store once it exists, so the views stay the parameters
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._settle()  # resident parameters must be their host masters while the state is read
+        return super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._settle()
+        super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views
+        if self.engine is not None:
+            self.engine.weights_changed()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+            host = self.precision_plugin.host_optimizers.get(id(optimizer))
+            if host is not None:
+                host.adopt_state()  # the loaded moments move into the flat host buffers
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Layer streaming with host-resident fp32 state and a host-side optimizer",
+        )
