@@ -61,7 +61,8 @@ def _repeated_lists(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                members = [(f"{path}.{n}", c) for n, c in child.named_children() if _has_params(c)]
+                # _modules, not named_children(): the same block object listed twice must be seen twice
+                members = [(f"{path}.{n}", c) for n, c in child._modules.items() if c is not None and _has_params(c)]
                 classes = {type(c) for _, c in members}
                 if len(members) >= 2 and len(classes) == 1:
                     blocks.extend(members)

@@ -1,0 +1,254 @@
+"""Proof that MegaTrainStrategy really streams: a strategy that trained natively could not pass these.
+
+Host store views, optimizer state in the store, gradients arriving through the host accumulators, copy
+counters (weights shipped for the forward and the recompute, gradients once), the engine's independence
+from Lightning, and the clear refusals.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import megatrain_lightning
+from megatrain_lightning import HostAdamW, MegaTrainStrategy
+from megatrain_lightning.blocks import BlockDetectionError, find_blocks
+from megatrain_lightning.engine import RESIDENT
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class BlockNet(L.LightningModule):
+    def __init__(self, depth: int = 4, width: int = 16, optimizer: str = "adamw") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+        self.optimizer_kind = optimizer
+        self.seen_grads: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.seen_grads.append({n: p.grad for n, p in self.named_parameters() if p.grad is not None})
+
+    def configure_optimizers(self):
+        if self.optimizer_kind == "host_adamw":
+            return HostAdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader(n: int = 8, batch: int = 2) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=batch)
+
+
+def _trainer(strategy, **kw) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kw,
+    )
+
+
+def _shares_storage(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+class Probe(L.Callback):
+    """Reads the engine's state while the fit is still running (teardown releases it)."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        engine = trainer.strategy.engine
+        opt = trainer.optimizers[0]
+        for block, store in zip(module.blocks, engine.stores):
+            for p in block.parameters():
+                assert p.device.type == "cpu" and p.dtype == torch.float32
+                assert _shares_storage(p, store.master), "block parameter is not a view of the host store"
+                assert p.grad is None or _shares_storage(p.grad, store.grad)
+                st = opt.state[p]
+                assert _shares_storage(st["exp_avg"], store.exp_avg)
+                assert _shares_storage(st["exp_avg_sq"], store.exp_avg_sq)
+        for p in (module.inp.weight, module.out.bias):
+            assert _shares_storage(p, engine.resident_store.master)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "host_adamw"])
+def test_parameters_and_optimizer_state_live_in_the_host_store(optimizer: str) -> None:
+    module = BlockNet(optimizer=optimizer)
+    probe = Probe()
+    _trainer("megatrain", max_steps=3, callbacks=[probe]).fit(module, _loader())
+    assert probe.checked == 3
+    # after teardown the module is an ordinary host module holding the trained values
+    assert "forward" not in module.blocks[0].__dict__
+    assert all(p.device.type == "cpu" for p in module.parameters())
+
+
+def test_gradients_arrive_through_the_host_accumulators() -> None:
+    module = BlockNet()
+    _trainer(MegaTrainStrategy(slots=2), max_steps=2).fit(module, _loader())
+    assert len(module.seen_grads) == 2
+    for grads in module.seen_grads:
+        assert set(grads) == {n for n, _ in module.named_parameters()}
+        assert all(g.device.type == "cpu" and g.dtype == torch.float32 for g in grads.values())
+
+
+class CountingProbe(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[tuple[dict, dict, dict]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        trainer.strategy.engine.reset_counters()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        c = trainer.strategy.engine.counters
+        self.rows.append((dict(c.h2d), dict(c.reused), dict(c.d2h)))
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_copy_counters_show_two_weight_shipments_and_one_gradient_shipment(slots: int) -> None:
+    depth = 5
+    module = BlockNet(depth=depth)
+    probe = CountingProbe()
+    _trainer(MegaTrainStrategy(slots=slots), max_steps=3, callbacks=[probe]).fit(module, _loader())
+    assert len(probe.rows) == 3
+    for h2d, reused, d2h in probe.rows:
+        for i in range(depth):
+            # forward + recompute: each use is a copy, or a reuse of the copy already in a slot
+            assert h2d.get(i, 0) + reused.get(i, 0) == 2, (i, h2d, reused)
+            assert d2h[i] == 1
+        # only the blocks still in a slot when the forward turns into the backward are reused
+        assert sum(reused.values()) <= slots
+        assert sum(h2d.get(i, 0) for i in range(depth)) >= 2 * depth - slots
+        assert h2d[RESIDENT] == 1 and d2h[RESIDENT] == 1
+
+
+def test_accumulation_ships_each_micro_batch_and_adds_on_the_host() -> None:
+    module = BlockNet(depth=3)
+    probe = CountingProbe()
+    _trainer("megatrain", max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, _loader())
+    assert len(probe.rows) == 4
+    assert all(row[2][i] == 1 for row in probe.rows for i in range(3))
+
+
+def test_engine_imports_nothing_from_lightning() -> None:
+    engine_dir = pathlib.Path(megatrain_lightning.__file__).parent / "engine"
+    files = sorted(engine_dir.glob("*.py"))
+    assert len(files) >= 5
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                if node.level and node.module is None:
+                    names = [a.name for a in node.names]
+            for name in names:
+                assert not name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric"), f"{f.name}: {name}"
+                assert not (node.__class__ is ast.ImportFrom and node.level >= 2), f"{f.name} imports outside the engine"
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+class Plain(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, _):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_module_without_blocks_is_refused_with_what_to_pass() -> None:
+    with pytest.raises(BlockDetectionError, match="block_class"):
+        _trainer("megatrain", max_steps=1).fit(Plain(), _loader())
+
+
+def test_blocks_sharing_parameters_are_refused() -> None:
+    module = BlockNet(depth=3)
+    module.blocks[2].fc1.weight = module.blocks[0].fc1.weight
+    with pytest.raises(BlockDetectionError, match="share"):
+        find_blocks(module)
+    module = BlockNet(depth=3)
+    module.blocks[1] = module.blocks[0]
+    with pytest.raises(BlockDetectionError, match="same block object"):
+        find_blocks(module)
+
+
+def test_mixed_block_list_is_refused_and_block_class_resolves_it() -> None:
+    class Other(Block):
+        pass
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(8), Other(8), Block(8), Other(8)])
+
+    with pytest.raises(BlockDetectionError, match="mixing classes"):
+        find_blocks(Mixed())
+    found = find_blocks(Mixed(), block_class=[Block, "Other"])
+    assert [n for n, _ in found] == [f"layers.{i}" for i in range(4)]
+    with pytest.raises(BlockDetectionError, match="matches no submodule"):
+        find_blocks(Mixed(), block_class="NoSuchBlock")
+
+
+def test_router_losses_are_refused_clearly() -> None:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        output_router_logits=True, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+    )
+
+    class MoE(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GptOssForCausalLM(cfg)
+
+        def training_step(self, batch, _):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32, (2, 6))), batch_size=2)
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        _trainer("megatrain", max_steps=1).fit(MoE(), data)
+
+
+def test_precision_outside_the_supported_set_is_refused() -> None:
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="megatrain", precision="16-true")
