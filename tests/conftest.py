@@ -1,0 +1,255 @@
+"""Shared test setup and the parity harness.
+
+The harness trains one LightningModule factory twice from the same seed, once with Lightning's
+default strategy and once with the strategy under test, and compares what a user can see
+through the public API only: every micro-batch loss (read from `outputs["loss"]` in a callback),
+the learning rates, the optimizer step count and the final `state_dict()`.
+
+    ref, got = run_parity(TinyLlama, max_steps=8)          # asserts parity, returns both runs
+
+`fit(...)` runs one side alone; `compare_losses` / `compare_states` are the comparisons, usable
+on parts of runs (resume tests). Tolerances default to 1e-5 relative (issue 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+LOSS_RTOL = 1e-5
+PARAM_RTOL = 1e-5
+
+# What a test passes as `strategy`: None = Lightning's default; "megatrain" = the registered
+# name; or a zero-argument callable returning a fresh strategy instance (instances hold state
+# and must not be shared between Trainers).
+StrategySpec = None | str | Callable[[], Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# markers
+# ---------------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda`-marked tests are skipped on a machine without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+class Recorder(Callback):
+    """Records what the training loop exposes through public hooks.
+
+    losses:      `outputs["loss"]` of every micro-batch (Lightning divides it by
+                 `accumulate_grad_batches`, identically for both strategies)
+    lrs:         the learning rate of every param group of the first optimizer, per micro-batch
+    grad_norms:  per optimizer step, {parameter name: (grad device type, grad L2 norm)} as seen in
+                 `on_before_optimizer_step`, i.e. before gradient clipping
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.lrs: list[list[float]] = []
+        self.grad_norms: list[dict[str, tuple[str, float]]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.lrs.append([float(g["lr"]) for g in trainer.optimizers[0].param_groups])
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.grad_norms.append(
+            {
+                name: (p.grad.device.type, float(p.grad.detach().double().norm()))
+                for name, p in pl_module.named_parameters()
+                if p.grad is not None
+            }
+        )
+
+    def global_grad_norms(self) -> list[float]:
+        return [math.sqrt(sum(n * n for _, n in step.values())) for step in self.grad_norms]
+
+
+@dataclass
+class RunResult:
+    module: pl.LightningModule
+    trainer: pl.Trainer
+    recorder: Recorder
+    init_state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # state_dict() after fit, as returned (not moved), cloned
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.recorder.losses
+
+
+def resolve_strategy(spec: StrategySpec) -> Any:
+    """Turn a StrategySpec into what `Trainer(strategy=...)` takes. Importing the package is what
+    registers "megatrain"; a failing import fails the test (never a skip)."""
+    if spec is None:
+        return "auto"
+    if isinstance(spec, str):
+        if spec == "megatrain":
+            import megatrain_lightning  # noqa: F401  (registers the strategy name)
+        return spec
+    return spec()
+
+
+def megatrain(**kwargs: Any) -> Callable[[], Any]:
+    """A StrategySpec building `megatrain_lightning.MegaTrainStrategy(**kwargs)` per Trainer."""
+
+    def build() -> Any:
+        import megatrain_lightning
+
+        return megatrain_lightning.MegaTrainStrategy(**kwargs)
+
+    return build
+
+
+def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def fit(
+    factory: Callable[[], pl.LightningModule],
+    strategy: StrategySpec = None,
+    *,
+    seed: int = 0,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
+    callbacks: Sequence[Callback] = (),
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> RunResult:
+    """Build the module from `seed`, train it with `strategy`, return what was recorded.
+
+    The global seed is set before building the module AND again right before `fit`, so that
+    dropout draws the same masks in both runs. Defaults: 8 steps, no logger, no checkpoints,
+    no progress bar or summary, no validation (pass `limit_val_batches` to enable it),
+    `deterministic=True`.
+    """
+    pl.seed_everything(seed, verbose=False)
+    module = factory()
+    init_state = _clone_state(module)
+    recorder = Recorder()
+    kwargs: dict[str, Any] = dict(
+        accelerator=accelerator,
+        devices=1,
+        precision=precision,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    kwargs.update(trainer_kwargs)
+    trainer = pl.Trainer(strategy=resolve_strategy(strategy), callbacks=[recorder, *callbacks], **kwargs)
+    pl.seed_everything(seed, verbose=False)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    for loss in recorder.losses:
+        assert math.isfinite(loss), f"non-finite training loss: {recorder.losses}"
+    return RunResult(module, trainer, recorder, init_state, _clone_state(module))
+
+
+# ---------------------------------------------------------------------------------------------
+# comparisons
+# ---------------------------------------------------------------------------------------------
+def compare_losses(ref: Sequence[float], got: Sequence[float], rtol: float = LOSS_RTOL, what: str = "loss") -> None:
+    assert len(got) == len(ref), f"{what}: {len(got)} values vs {len(ref)} in the reference\nref={ref}\ngot={got}"
+    bad = [
+        (i, r, g, abs(g - r) / max(abs(r), 1e-30))
+        for i, (r, g) in enumerate(zip(ref, got))
+        if not abs(g - r) <= rtol * abs(r)
+    ]
+    assert not bad, (
+        f"{what}: {len(bad)}/{len(ref)} values differ by more than {rtol:g} relative; first: "
+        + ", ".join(f"#{i}: ref={r:.8g} got={g:.8g} (rel {d:.2e})" for i, r, g, d in bad[:4])
+    )
+
+
+def rel_diff(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 (the absolute norm of the difference where ref is 0)."""
+    r, g = ref.detach().double(), got.detach().double()
+    denom = float(r.norm())
+    diff = float((g - r).norm())
+    return diff / denom if denom > 0 else diff
+
+
+def compare_states(
+    ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rtol: float = PARAM_RTOL, what: str = "state_dict"
+) -> None:
+    """Same keys (no wrapper prefixes), host CPU tensors with the reference's dtype and shape,
+    floating tensors within `rtol` in ||delta||/||ref||, other tensors equal."""
+    missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
+    assert not missing and not extra, f"{what}: keys differ; missing {missing[:5]}, unexpected {extra[:5]}"
+    bad = []
+    for k, r in ref.items():
+        g = got[k]
+        assert isinstance(g, torch.Tensor), f"{what}[{k}] is a {type(g).__name__}, not a tensor"
+        assert g.device.type == "cpu", f"{what}[{k}] is on {g.device}, expected a host (CPU) tensor"
+        assert g.dtype == r.dtype and g.shape == r.shape, f"{what}[{k}]: {g.dtype}{tuple(g.shape)} vs {r.dtype}{tuple(r.shape)}"
+        if r.is_floating_point():
+            d = rel_diff(r.cpu(), g)
+            if not d <= rtol:
+                bad.append((k, d))
+        elif not torch.equal(r.cpu(), g):
+            bad.append((k, float("inf")))
+    bad.sort(key=lambda kd: -kd[1])
+    assert not bad, f"{what}: {len(bad)}/{len(ref)} tensors differ by more than {rtol:g} in ||delta||/||ref||; worst: " + ", ".join(
+        f"{k} ({d:.2e})" for k, d in bad[:5]
+    )
+
+
+def assert_trained(run: RunResult, min_fraction: float = 0.5) -> None:
+    """The run really changed the model (so that a parity check is not vacuous)."""
+    floats = [k for k, v in run.init_state.items() if v.is_floating_point()]
+    changed = [k for k in floats if rel_diff(run.init_state[k], run.state[k].cpu()) > 1e-4]
+    assert len(changed) >= min_fraction * len(floats), f"only {len(changed)}/{len(floats)} tensors changed in training"
+
+
+def assert_parity(
+    ref: RunResult, got: RunResult, loss_rtol: float = LOSS_RTOL, param_rtol: float = PARAM_RTOL
+) -> None:
+    """Every micro-batch loss, every learning rate, the step count and the final state_dict."""
+    assert_trained(ref)
+    compare_losses(ref.losses, got.losses, loss_rtol)
+    compare_losses([lr for s in ref.recorder.lrs for lr in s], [lr for s in got.recorder.lrs for lr in s], 1e-12, "learning rate")
+    assert got.trainer.global_step == ref.trainer.global_step, f"{got.trainer.global_step} optimizer steps vs {ref.trainer.global_step}"
+    compare_states(ref.state, got.state, param_rtol)
+
+
+def assert_is_megatrain(run: RunResult) -> None:
+    import megatrain_lightning
+
+    assert isinstance(run.trainer.strategy, megatrain_lightning.MegaTrainStrategy), type(run.trainer.strategy)
+
+
+def run_parity(
+    factory: Callable[[], pl.LightningModule],
+    strategy: StrategySpec = "megatrain",
+    *,
+    loss_rtol: float = LOSS_RTOL,
+    param_rtol: float = PARAM_RTOL,
+    **fit_kwargs: Any,
+) -> tuple[RunResult, RunResult]:
+    """Train with Lightning's default strategy, then with `strategy`; assert parity."""
+    ref = fit(factory, None, **fit_kwargs)
+    got = fit(factory, strategy, **fit_kwargs)
+    if strategy is not None:
+        assert_is_megatrain(got)
+    assert_parity(ref, got, loss_rtol, param_rtol)
+    return ref, got
