@@ -64,6 +64,10 @@ class _Range:
         self.store = store
         self.indices = indices
         self.params = [store.params[i] for i in indices]
+        self.ea_views: list[torch.Tensor] | None = None
+        self.eas_views: list[torch.Tensor] | None = None
+        # (params, grads, exp_avgs, exp_avg_sqs, steps) of a full step, reused while nothing changes
+        self.cache: tuple[list[torch.Tensor], ...] | None = None
 
 
 class HostOptimizer:
@@ -135,6 +139,7 @@ class HostOptimizer:
                     )
                     st["exp_avg"] = ea_views[i]
                     st["exp_avg_sq"] = eas_views[i]
+                r.cache = None  # the step tensors were replaced
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -171,31 +176,37 @@ class HostOptimizer:
                 self._step_range(r, hyper)
 
     def _step_range(self, r: _Range, hyper: AdamHyper) -> None:
-        state = self.optimizer.state
         store = r.store
+        grad_views = store.grad_views if store.grad is not None else None
+        # Steady state: every gradient is the store's own view and every state exists -> cached lists.
+        if r.cache is not None and grad_views is not None and all(
+            p.grad is grad_views[i] for i, p in zip(r.indices, r.params)
+        ):
+            fused_adam_step(*r.cache, hyper)
+            return
+        state = self.optimizer.state
         ea, eas = store.moment_buffers()
+        if r.ea_views is None:
+            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
         ps, gs, eas_l, eass_l, steps = [], [], [], [], []
-        views = store.layout
-        master_views = store.master_views
-        ea_views = getattr(store, "_ea_views", None)
-        if ea_views is None:
-            store._ea_views = ea_views = views.views(ea)  # type: ignore[attr-defined]
-            store._eas_views = views.views(eas)  # type: ignore[attr-defined]
-        eas_views = store._eas_views  # type: ignore[attr-defined]
         for i, p in zip(r.indices, r.params):
             if p.grad is None:
                 continue  # as torch: a parameter without a gradient is not updated, not even decayed
             st = state[p]
             if not st:
                 st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = ea_views[i]
-                st["exp_avg_sq"] = eas_views[i]
-            ps.append(master_views[i])
+                st["exp_avg"] = r.ea_views[i]
+                st["exp_avg_sq"] = r.eas_views[i]
+            ps.append(store.master_views[i])
             gs.append(p.grad)
-            eas_l.append(ea_views[i])
-            eass_l.append(eas_views[i])
+            eas_l.append(r.ea_views[i])
+            eass_l.append(r.eas_views[i])
             steps.append(st["step"])
         fused_adam_step(ps, gs, eas_l, eass_l, steps, hyper)
+        complete = len(ps) == len(r.params) and grad_views is not None
+        r.cache = (ps, gs, eas_l, eass_l, steps) if complete and all(
+            g is grad_views[i] for g, i in zip(gs, r.indices)
+        ) else None
 
 
 def _chain_zero_grad(optimizer: torch.optim.Optimizer, callback: Callable[[bool], None]) -> None:
