@@ -116,7 +116,10 @@ class ZooModule(pl.LightningModule):
         else:
             params = [p for p in self.parameters() if p.requires_grad]
         if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
+            # fused=True: MegaTrain steps Adam(W) with torch's fused kernel, bitwise equal to this. torch's
+            # default single-tensor AdamW rounds differently (~1e-7 per step), which Adam amplifies to
+            # ~5e-5 on parameters whose gradient is analytically zero (Qwen2's k_proj bias) or tiny.
+            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True)
         elif hp.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         else:
