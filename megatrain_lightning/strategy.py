@@ -138,6 +138,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         )
         stores = self.engine.all_stores()
         hosts = {id(opt): HostOptimizer(opt, stores, self.engine.zero_grad) for opt in self.optimizers}
+        # Re-wrap: a LightningOptimizer copies the optimizer's __dict__, so it must see the chained zero_grad.
+        self.optimizers = list(self.optimizers)
         precision.attach(self.engine, hosts)
         self.setup_precision_plugin()
         module._device = self.root_device  # LightningModule.device reports where the batches go

@@ -252,3 +252,36 @@ def test_router_losses_are_refused_clearly() -> None:
 def test_precision_outside_the_supported_set_is_refused() -> None:
     with pytest.raises(ValueError, match="bf16-mixed"):
         L.Trainer(accelerator="cpu", devices=1, strategy="megatrain", precision="16-true")
+
+
+class ManualNet(BlockNet):
+    """Manual optimisation: two forward/backward/step rounds inside one training_step."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=3, optimizer="sgd")
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+
+    def training_step(self, batch, _):
+        opt = self.optimizers()
+        x, y = batch
+        for _round in range(2):
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            self.losses.append(loss.item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_manual_optimisation_matches_native() -> None:
+    ref, got = ManualNet(), ManualNet()
+    for module, strategy in ((ref, "auto"), (got, "megatrain")):
+        L.seed_everything(0, verbose=False)
+        _trainer(strategy, max_steps=6).fit(module, _loader())
+    assert len(ref.losses) == len(got.losses) == 6
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
+        assert ((a - b).norm() / a.norm()).item() < 1e-5, name

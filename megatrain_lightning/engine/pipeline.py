@@ -297,8 +297,11 @@ class StreamingEngine:
         self._pos = 0
 
     def settle(self) -> None:
-        """Leave any step: resident parameters back to their host masters, the worker idle."""
-        self.in_step = False
+        """Resident parameters back to their host masters (gradients included), the worker idle.
+
+        A step may go on after it (manual optimisation steps inside ``training_step``): the next module
+        that owns a resident parameter pulls them onto the device again.
+        """
         self._resident_to_host(with_grads=True)
         self.grads.drain()
 
