@@ -1,0 +1,6 @@
+"""Measurement callbacks: throughput (tokens/s, TFLOPS, MFU) and peak memory."""
+
+from megatrain_lightning.callbacks.memory import MemoryMonitor
+from megatrain_lightning.callbacks.throughput import ThroughputMonitor
+
+__all__ = ["MemoryMonitor", "ThroughputMonitor"]

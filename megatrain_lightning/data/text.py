@@ -1,0 +1,83 @@
+"""Local text files packed into fixed-length rows: continued pre-training without padding.
+
+Documents are tokenised, joined with `<eos>` between them and cut into rows of exactly `seq_len`
+tokens, so every token counts (no padding) and a document may span two rows, which is the usual
+trade: no wasted compute, a little attention across document boundaries.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from megatrain_lightning.data.tokenizer import ByteTokenizer
+from megatrain_lightning.errors import ConfigError
+
+
+def text_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    """The files `path` names: one file, every file under a directory with a matching suffix, or a glob."""
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        return sorted(
+            os.path.join(root, f) for root, _, files in os.walk(path) for f in files if f.endswith(suffixes)
+        )
+    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+
+
+class PackedTextDataModule(pl.LightningDataModule):
+    """Language modelling on local text, packed into `[num_rows, seq_len]` token rows.
+
+    Args:
+        path: a text file, a directory (searched recursively for `suffixes`), or a glob.
+        seq_len: tokens per row.
+        batch_size: rows per step.
+        suffixes: file endings taken from a directory.
+        tokenizer: None uses the byte tokenizer.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        seq_len: int = 512,
+        batch_size: int = 8,
+        suffixes: tuple[str, ...] = (".txt", ".md"),
+        tokenizer: Any | None = None,
+    ) -> None:
+        super().__init__()
+        self.files = text_files(path, tuple(suffixes))
+        if not self.files:
+            raise ConfigError(f"data.path={path} does not exist or holds no {'/'.join(suffixes)} files")
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rows: torch.Tensor | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.rows is not None:
+            return
+        stream: list[int] = []
+        for f in self.files:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                stream.extend(self.tokenizer.encode(fh.read(), add_special_tokens=False))
+            stream.append(self.tokenizer.eos_token_id)
+        n = len(stream) // self.seq_len
+        if n == 0:
+            raise ConfigError(f"data.path: {len(stream)} tokens in all, fewer than one row of data.seq_len={self.seq_len}")
+        self.rows = torch.tensor(stream[: n * self.seq_len]).view(n, self.seq_len)  # [rows, seq_len]
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        assert self.rows is not None
+        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=_lm_batch)
+
+
+def _lm_batch(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = torch.stack(rows)  # [batch, seq_len]; the model shifts labels itself
+    return {"input_ids": ids, "labels": ids}

@@ -1,0 +1,188 @@
+"""A LightningModule around any Hugging Face causal LM: the model every config in conf/model/ builds.
+
+Training is causal-LM cross-entropy over the tokens whose label is not -100 (answers, not prompts
+or padding). Validation greedily decodes each held-out question's answer and scores exact match
+with torchmetrics. The network itself is created in `configure_model`, inside the strategy's
+init context, so a strategy decides where its weights live; the constructor only builds a meta-device
+copy to count parameters (which the fit check and the TFLOPS figure need before any allocation).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torchmetrics.classification import MulticlassExactMatch
+from typing_extensions import override
+
+from megatrain_lightning.data.sft_batch import IGNORE_INDEX
+from megatrain_lightning.errors import ConfigError
+from megatrain_lightning.models.build import hf_config, load_pretrained, materialize, meta_model, pretrained_config
+from megatrain_lightning.models.lr_schedule import WarmupCosine
+from megatrain_lightning.models.model_shape import ModelShape
+from megatrain_lightning.models.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class CausalLM(pl.LightningModule):
+    """Hugging Face causal LM trained with AdamW, validated by exact match of greedy answers.
+
+    Args:
+        name: a label for logs and sweep tables (e.g. `qwen2_5_7b`).
+        config: transformers config as a dict with `model_type`; random init. Ignored when
+            `pretrained` is set.
+        pretrained: local Hugging Face checkpoint directory (weights + tokenizer); no downloads.
+        lr: peak AdamW learning rate.
+        betas: AdamW moment decay rates.
+        weight_decay: AdamW decoupled weight decay, applied to matrices only (not norms/biases).
+        warmup_steps: linear warmup length in optimizer steps.
+        decay_steps: cosine decay ends here (usually `trainer.max_steps`); None keeps the rate constant.
+        min_lr_ratio: final learning rate as a fraction of `lr`.
+        loss_chunk_tokens: compute the LM head and loss this many tokens at a time, each chunk
+            recomputed in backward, so that `[tokens, vocab]` logits never exist at once (with a
+            150 K vocabulary they are the largest activation). Costs one extra LM-head matmul.
+            None: one pass, simplest and fastest when the logits fit.
+        attn_implementation: transformers attention backend (`sdpa`, `eager`, `flash_attention_2`);
+            None lets the model pick (GPT-OSS needs `eager` for its attention sinks).
+    """
+
+    def __init__(
+        self,
+        name: str = "custom",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        loss_chunk_tokens: int | None = None,
+        attn_implementation: str | None = "sdpa",
+    ) -> None:
+        super().__init__()
+        if config is None and pretrained is None:
+            raise ConfigError("set model.config (random init) or model.pretrained=/path/to/hf_checkpoint")
+        if config is not None and pretrained is not None:
+            log.info("model.pretrained=%s is set: model.config is ignored", pretrained)
+        self.save_hyperparameters()
+        self.hf_config = pretrained_config(pretrained) if pretrained else hf_config(dict(config))
+        self.hf_config.use_cache = False  # no KV cache: training recomputes, and decoding here is cache-free
+        self.tokenizer = load_tokenizer(pretrained)
+        vocab = self.hf_config.get_text_config().vocab_size
+        if len(self.tokenizer) > vocab:
+            raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model vocab_size={vocab}")
+        meta = meta_model(self.hf_config, self._attn_impl())
+        self.model_shape = ModelShape.of(meta)
+        # Kept outside the module tree (a meta tensor there would confuse device moves) and reused
+        # by configure_model, so a random-init model is constructed exactly once.
+        self.__dict__["_meta_model"] = meta
+        self.model: torch.nn.Module | None = None
+        self.exact_match = MulticlassExactMatch(num_classes=vocab, ignore_index=IGNORE_INDEX)
+
+    def _attn_impl(self) -> str | None:
+        impl = self.hparams.attn_implementation
+        if impl == "sdpa" and self.hf_config.model_type == "gpt_oss":
+            return "eager"  # SDPA has no attention sinks; transformers refuses it for GPT-OSS
+        return impl
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:  # validate-then-fit calls this hook twice
+            return
+        if self.hparams.pretrained:
+            model = load_pretrained(self.hparams.pretrained, self._attn_impl())
+        else:
+            meta = self.__dict__.pop("_meta_model", None)
+            if meta is None or torch.get_default_dtype() != torch.float32:
+                meta = meta_model(self.hf_config, self._attn_impl())  # under the precision's default dtype
+            device = torch.get_default_device()  # the strategy's init device (meta: it materialises later)
+            model = meta if device.type == "meta" else materialize(meta, device)
+        model.config.use_cache = False
+        self.model = model
+
+    @override
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def causal_lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of each next token whose label is not -100."""
+        # Rows are right-padded: under the causal mask no real token sees a pad, so no attention mask
+        # is passed (and SDPA keeps its causal fast path); pads and prompts are out of the loss via labels.
+        targets = labels[:, 1:].reshape(-1)  # [B*(T-1)]: position t predicts token t+1
+        chunk = self.hparams.loss_chunk_tokens
+        if chunk is None or targets.numel() <= chunk:
+            logits = self.model(input_ids=input_ids).logits  # [B, T, V]
+            return F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX
+            )
+        hidden = self.model.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        head = self.model.get_output_embeddings()
+
+        def chunk_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+
+        total = sum(
+            checkpoint(chunk_loss, h, t, use_reentrant=False)
+            for h, t in zip(hidden.split(chunk), targets.split(chunk))
+        )
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.causal_lm_loss(batch["input_ids"], batch["labels"])
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    @torch.no_grad()
+    def greedy_decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """`new_tokens` greedy continuations of left-padded prompts: [batch, new_tokens].
+
+        No KV cache: every step re-runs the whole (short) sequence. Quadratic in the answer length,
+        and fine for validation answers of a few dozen tokens; it also means no cache state for a
+        streaming strategy to manage.
+        """
+        ids, mask = prompt_ids, prompt_mask
+        padded = not bool(mask.all())  # a host sync, once per batch: lets unpadded batches skip the mask
+        out = []
+        for _ in range(new_tokens):
+            kwargs: dict[str, Any] = {}
+            if padded:
+                kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+            logits = self.model(input_ids=ids, logits_to_keep=1, **kwargs).logits[:, -1]  # [B, V]
+            nxt = logits.argmax(-1)
+            out.append(nxt)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
+        return torch.stack(out, dim=1)
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        target = batch["target_ids"]  # [B, A]: answer + <eos>, -100 past its end
+        preds = self.greedy_decode(batch["prompt_ids"], batch["prompt_mask"], target.shape[1])
+        self.exact_match.update(preds.to(self.exact_match.device), target.to(self.exact_match.device))
+        self.log("val/exact_match", self.exact_match, prog_bar=True, batch_size=target.shape[0])
+
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        if hp.weight_decay > 0:  # decay matrices only: decaying norm gains and biases only hurts
+            groups: Any = [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ]
+        else:
+            groups = params
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        if hp.warmup_steps == 0 and hp.decay_steps is None:
+            return optimizer
+        schedule = WarmupCosine(hp.warmup_steps, hp.decay_steps, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,55 @@
+"""The memory plan: will a model's training state fit, decided before anything is allocated.
+
+MegaTrainStrategy (and the CPU-offload baselines) keep all training state in host memory: an fp32
+master weight, an fp32 gradient and AdamW's two fp32 moments, 16 bytes per parameter, plus a bf16
+copy of the weights for streaming them to the device, 2 bytes per parameter. Activations, the
+device slots and the Python process itself come on top, so a model that passes this check can
+still be too big; one that fails it certainly is, and failing here costs seconds instead of the
+minutes of allocating 1 TB before the out-of-memory killer strikes.
+"""
+
+from __future__ import annotations
+
+from megatrain_lightning.errors import ConfigError
+
+GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
+
+STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_avg + exp_avg_sq
+TRANSFER_BYTES_PER_PARAM = 2  # bf16 copy streamed host -> device
+PINNED_BYTES_PER_PARAM = 8  # fp32 masters and gradient buffers, which MegaTrainStrategy pins
+
+
+def estimate_host_bytes(
+    num_params: int,
+    state_bytes_per_param: int = STATE_BYTES_PER_PARAM,
+    transfer_bytes_per_param: int = TRANSFER_BYTES_PER_PARAM,
+) -> int:
+    """Host bytes of training state for `num_params` parameters (activations not included)."""
+    return num_params * (state_bytes_per_param + transfer_bytes_per_param)
+
+
+def check_fits(num_params: int, host_memory_gb: float, model: str = "the model", hardware: str = "this hardware") -> int:
+    """Raise ConfigError, with the numbers and what to change, when the state cannot fit host memory.
+
+    Returns the estimate in bytes when it fits.
+    """
+    need = estimate_host_bytes(num_params)
+    have = host_memory_gb * GB
+    if need > have:
+        raise ConfigError(
+            f"model={model} has {num_params / 1e9:.2f} B parameters, whose training state needs "
+            f"{need / GB:,.0f} GB of host memory ({STATE_BYTES_PER_PARAM} B/param fp32 master, gradient and "
+            f"2 AdamW moments + {TRANSFER_BYTES_PER_PARAM} B/param bf16 transfer copy), but hardware={hardware} "
+            f"has {host_memory_gb:,.0f} GB: choose a smaller model, a hardware profile with more host memory, "
+            f"or set hardware.host_memory_gb if the profile is wrong for this machine"
+        )
+    return need
+
+
+def pin_memory_fits(num_params: int, pinned_budget_gb: float) -> bool:
+    """Whether the buffers MegaTrainStrategy pins stay within the profile's pinned-memory budget.
+
+    Pinned (page-locked) memory copies 8x faster than pageable (DESIGN.md §2) but cannot be swapped
+    or reclaimed, and pinning too much starves the rest of the machine.
+    """
+    return num_params * PINNED_BYTES_PER_PARAM <= pinned_budget_gb * GB
