@@ -88,7 +88,7 @@ class HostOptimizer:
     ) -> None:
         self.optimizer = optimizer
         if on_zero_grad is not None:
-            _chain_zero_grad(optimizer, on_zero_grad)
+            chain_zero_grad(optimizer, on_zero_grad)
         where: dict[int, tuple[FlatStore, int]] = {}
         for store in stores:
             for i, p in enumerate(store.params):
@@ -209,12 +209,12 @@ class HostOptimizer:
         ) else None
 
 
-def _chain_zero_grad(optimizer: torch.optim.Optimizer, callback: Callable[[bool], None]) -> None:
-    """Wrap this optimizer instance's ``zero_grad`` so that ``callback(set_to_none)`` runs first."""
-    original = optimizer.zero_grad
+def chain_zero_grad(owner: Any, callback: Callable[[bool], None]) -> None:
+    """Wrap this instance's ``zero_grad`` (an optimizer's or a module's) so ``callback(set_to_none)`` runs first."""
+    original = owner.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         callback(set_to_none)
         original(set_to_none=set_to_none)
 
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    owner.zero_grad = zero_grad

@@ -26,7 +26,7 @@ from typing_extensions import override
 from .blocks import find_blocks
 from .engine.host_store import param_groups_index
 from .engine.pipeline import StreamingEngine
-from .optim import HostOptimizer
+from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         )
         stores = self.engine.all_stores()
         hosts = {id(opt): HostOptimizer(opt, stores, self.engine.zero_grad) for opt in self.optimizers}
-        # Re-wrap: a LightningOptimizer copies the optimizer's __dict__, so it must see the chained zero_grad.
-        self.optimizers = list(self.optimizers)
+        # Every zero_grad a user can reach must also clear the gradients the engine parks mid-step: the
+        # optimizer's (chained by HostOptimizer), its LightningOptimizer wrapper's (a subclass instance
+        # that does not forward zero_grad), and the module's own.
         precision.attach(self.engine, hosts)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
+        for wrapper in self._lightning_optimizers:
+            chain_zero_grad(wrapper, self.engine.zero_grad)
+        chain_zero_grad(module, self.engine.zero_grad)
+
         module._device = self.root_device  # LightningModule.device reports where the batches go
 
     def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
@@ -165,6 +170,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self.engine.close()
             self.engine = None
             self.precision_plugin.attach(None, {})
+            if self.lightning_module is not None:
+                self.lightning_module.__dict__.pop("zero_grad", None)  # undo chain_zero_grad
         super().teardown()
 
     # ------------------------------------------------------------------ steps

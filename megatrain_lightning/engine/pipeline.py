@@ -516,6 +516,10 @@ class StreamingEngine:
         self._hooks = []
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
+        # Device memory goes now, not when the last reference to the engine does.
+        self.slots.buffers, self.slots.staging = [], None
+        self.grads.slabs = []
+        self._res_device, self._res_views, self._views = None, [], {}
         self.pins.close()
 
     def reset_counters(self) -> None:
