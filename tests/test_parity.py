@@ -29,11 +29,34 @@ from conftest import (
 from zoo import ZOO, LinearOnly, ResidualMLPBlock, TinyLlama, UserBlocks
 
 
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Any:
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
+    waiting threads slow every small op down (seen: one GPT-OSS fit 30 s with 2 threads, 0.6 s
+    with 1). Both strategies run under the same setting."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# AdamW cases. Qwen2's key-projection bias starts at zero and its gradient is nearly zero (a
+# constant key bias shifts every logit of a query row alike; only RoPE's slow rotation of it
+# survives the softmax), so rounding-level differences become visible in ||delta||/||ref||:
+# torch's own fused and foreach AdamW end 5.4e-5 apart there (1.5e-5 with eps 1e-6).
+ADAMW_MODELS = ["llama", "qwen2", "gpt_oss", "user"]
+LOOSE: dict[str, dict[str, float]] = {"qwen2": {"self_attn.k_proj.bias": 2e-4}}
+
+
+def adamw_factory(name: str, **kwargs: Any) -> Any:
+    return partial(ZOO[name], optimizer="adamw", lr=3e-3, scheduler=True, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
-# the harness itself can fail
+# the harness itself: it fails on real differences and accepts rounding-level ones
 # ---------------------------------------------------------------------------------------------
 def test_harness_detects_divergence() -> None:
-    """Native vs native passes; a 0.1% learning-rate change or one flipped token fails."""
+    """Native vs native passes; a 0.1% learning-rate change or one changed token fails."""
     ref, same = run_parity(UserBlocks, strategy=None)
     perturbed_lr = fit(partial(UserBlocks, lr=3e-3 * 1.001))
     with pytest.raises(AssertionError, match="loss: 6/8 values differ"):
@@ -50,13 +73,26 @@ def test_harness_detects_divergence() -> None:
         compare_losses(ref.losses, fit(OneTokenOff).losses)
 
 
+@pytest.mark.parametrize("name", [*ADAMW_MODELS, "llama-groups"])
+def test_harness_accepts_other_adamw_implementation(name: str) -> None:
+    """torch's foreach and fused AdamW (both correct, rounding differently) pass each other's
+    parity check: the tolerances leave room for a host optimizer that is not bitwise torch's."""
+    if name == "llama-groups":
+        factory: Any = partial(TinyLlama, param_groups=True, weight_decay=0.1)
+    else:
+        factory = adamw_factory(name)
+    ref = fit(partial(factory, adam_impl="foreach"))
+    fused = fit(partial(factory, adam_impl="fused"))
+    assert_parity(ref, fused, loose=LOOSE.get(name))
+
+
 # ---------------------------------------------------------------------------------------------
 # every model of the zoo
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_oss", "user"])
+@pytest.mark.parametrize("name", ADAMW_MODELS)
 def test_parity_adamw_stepwise_scheduler(name: str) -> None:
     """AdamW + LambdaLR stepped every optimizer step."""
-    run_parity(partial(ZOO[name], optimizer="adamw", lr=3e-3, scheduler=True), max_steps=8)
+    run_parity(adamw_factory(name), max_steps=8, loose=LOOSE.get(name))
 
 
 @pytest.mark.parametrize("name", ["encoder", "transformer"])
