@@ -54,14 +54,14 @@ def instantiate(node: DictConfig, **kwargs: Any) -> Any:
 
 def choice(cfg: DictConfig, group: str) -> str:
     """The option chosen for a config group (`model=qwen2_5_7b` → `qwen2_5_7b`), outside Hydra too."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
-        name = HydraConfig.get().runtime.choices.get(group)
-        if name:
-            return str(name)
-    except ValueError:  # no Hydra app running (a test or notebook calling train() directly)
-        pass
+    if HydraConfig.initialized():
+        choices = HydraConfig.get().runtime.choices
+    else:  # no Hydra app running: a test or notebook composed the config (return_hydra_config=True)
+        choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}
+    if choices.get(group):
+        return str(choices[group])
     node = cfg.get(group)
     if node is not None and node.get("name"):
         return str(node.name)
