@@ -101,6 +101,8 @@ class HostOptimizer:
                 "Build the optimizer from `self.parameters()` (or subsets of it) in configure_optimizers."
             )
         self.fast = is_fast_adam(optimizer)
+        self._stepped: set[int] = set()  # ids of stores updated early in this step
+        self.early_updates = 0  # stores updated during a backward, over the run (for tests and logs)
         # ranges[g]: per store, the layout indices of the params of group g (contiguous by construction).
         self.ranges: list[list[_Range]] = []
         for group in optimizer.param_groups:
@@ -143,37 +145,55 @@ class HostOptimizer:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
-        """One optimizer step on the host, with the optimizer's step hooks run around it as ``step()`` would."""
+        """One optimizer step on the host, with the optimizer's step hooks run around it as ``step()`` would.
+
+        Stores already updated by :meth:`step_store` during this step's backward are skipped.
+        """
         opt = self.optimizer
         if not self.fast:
             opt.step()
             return
         for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
             hook(opt, (), {})
-        self._adam_step()
+        with torch.no_grad():
+            for group, ranges in zip(opt.param_groups, self.ranges):
+                hyper = self._hyper(group)
+                for r in ranges:
+                    if id(r.store) not in self._stepped:
+                        self._step_range(r, hyper)
+        self._stepped.clear()
         for hook in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
             hook(opt, (), {})
         if hasattr(opt.step, "_wrapped_by_lr_sched"):
             opt._opt_called = True  # what the LR scheduler's step wrapper records; it is bypassed here
 
-    @torch.no_grad()
-    def _adam_step(self) -> None:
+    def can_overlap(self) -> bool:
+        """Whether stores may be updated one by one as their gradients land (no pre-step hook to honour)."""
         opt = self.optimizer
-        adamw = isinstance(opt, torch.optim.AdamW)
-        for group, ranges in zip(opt.param_groups, self.ranges):
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            hyper = AdamHyper(
-                lr=float(lr),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=adamw or bool(group.get("decoupled_weight_decay", False)),
-                maximize=bool(group.get("maximize", False)),
-            )
-            for r in ranges:
-                self._step_range(r, hyper)
+        return self.fast and not _global_optimizer_pre_hooks and not opt._optimizer_step_pre_hooks
+
+    def step_store(self, store: FlatStore) -> None:
+        """Update one store's parameters now (host worker thread, during the backward); :meth:`step` skips it."""
+        with torch.no_grad():
+            for group, ranges in zip(self.optimizer.param_groups, self.ranges):
+                hyper = self._hyper(group)
+                for r in ranges:
+                    if r.store is store:
+                        self._step_range(r, hyper)
+        self._stepped.add(id(store))
+        self.early_updates += 1
+
+    def _hyper(self, group: dict[str, Any]) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False)),
+            maximize=bool(group.get("maximize", False)),
+        )
 
     def _step_range(self, r: _Range, hyper: AdamHyper) -> None:
         store = r.store

@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from .blocks import find_blocks
@@ -43,6 +44,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         device: the compute device; default: the Trainer's accelerator device (``cuda:0`` or ``cpu``).
         pin_memory: pin host masters and gradient buffers (exact size, not the caching allocator's
             power-of-two rounding) for full-speed copies. ``None``: pin when training on CUDA.
+        overlap_optimizer: update each block on the host as soon as its gradients land, while the device
+            runs the rest of the backward, whenever that is exact (see ``_overlap_target``); otherwise the
+            host step follows the backward. Same result either way; the overlap hides most of the host
+            AdamW time (about 0.25 s per billion parameters on 16 cores).
         accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
     """
@@ -55,6 +60,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_class: type | str | Sequence[type | str] | None = None,
         device: _DEVICE | None = None,
         pin_memory: bool | None = None,
+        overlap_optimizer: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -65,6 +71,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.slots = slots
         self.block_class = block_class
         self.pin_memory = pin_memory
+        self.overlap_optimizer = overlap_optimizer
         self._explicit_device = torch.device(device) if device is not None else None
         self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
@@ -191,7 +198,34 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step(training=True):
+            if self.engine is not None:
+                host = self._overlap_target()
+                self.engine.on_grads_final = host.step_store if host is not None else None
             return super().training_step(*args, **kwargs)
+
+    def _overlap_target(self) -> HostOptimizer | None:
+        """The host optimizer to run block by block during this backward, or None to step after it.
+
+        Overlap is exact only when nothing may look at or change the gradients between the backward and
+        the step: automatic optimisation, the last micro-batch of the window, no clipping, Adam on the
+        fast path without step pre-hooks, and no user hook around the step.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self.overlap_optimizer or trainer is None or len(self.optimizers) != 1:
+            return None
+        module = self.lightning_module
+        if not module.automatic_optimization or trainer.gradient_clip_val:
+            return None
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return None
+        hooks = ("on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping")
+        if any(is_overridden(h, module) for h in hooks):
+            return None
+        if any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in trainer.callbacks)\
+                or any(is_overridden("on_after_backward", cb, pl.Callback) for cb in trainer.callbacks):
+            return None
+        host = self.precision_plugin.host_optimizers.get(id(self.optimizers[0]))
+        return host if host is not None and host.can_overlap() else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

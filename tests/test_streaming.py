@@ -285,3 +285,33 @@ def test_manual_optimisation_matches_native() -> None:
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
     for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         assert ((a - b).norm() / a.norm()).item() < 1e-5, name
+
+
+class HooklessNet(BlockNet):
+    on_before_optimizer_step = L.LightningModule.on_before_optimizer_step  # no user hook around the step
+
+
+class EarlyUpdates(L.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_end(self, trainer, module) -> None:
+        self.count = trainer.strategy.precision_plugin.host_optimizers[id(trainer.optimizers[0])].early_updates
+
+
+@pytest.mark.parametrize("clip, accumulate, expect_overlap", [(None, 1, True), (None, 2, True), (0.1, 1, False)])
+def test_host_adam_overlaps_the_backward_only_when_exact(clip, accumulate, expect_overlap) -> None:
+    """Blocks are updated as their gradients land (same result, tested by the parity suite), except when
+    clipping needs every gradient first; with accumulation only the window's last backward overlaps."""
+    depth, steps = 3, 2
+    ref, got = HooklessNet(depth=depth), HooklessNet(depth=depth)
+    probe = EarlyUpdates()
+    kw = dict(max_steps=steps, gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    L.seed_everything(0, verbose=False)
+    _trainer("auto", **kw).fit(ref, _loader())
+    L.seed_everything(0, verbose=False)
+    _trainer("megatrain", callbacks=[probe], **kw).fit(got, _loader())
+    # every block store and the resident store, once per optimizer step
+    assert probe.count == ((depth + 1) * steps if expect_overlap else 0)
+    for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
+        assert ((a - b).norm() / a.norm()).item() < 1e-5, name

@@ -104,10 +104,20 @@ class _GradPath:
         self._staged = 0
         self.busy: dict[int, Future] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
-        self.pending: list[Future] = []
+        self.pending: list[Future] = []  # gradient accumulation jobs
+        self.updates: list[Future] = []  # overlapped optimizer updates
 
-    def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None]) -> None:
-        """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host."""
+    def send(
+        self,
+        store: FlatStore,
+        grads: Sequence[torch.Tensor | None],
+        then: Callable[[FlatStore], None] | None = None,
+    ) -> None:
+        """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
+
+        ``then(store)`` runs on the host worker once they are in the fp32 accumulator (the overlapped
+        optimizer update of that store).
+        """
         layout = store.layout
         n = layout.numel
         k = self.turn
@@ -133,10 +143,12 @@ class _GradPath:
             target.copy_(slab, non_blocking=True)
             self.slab_done[k].record(self.streams.d2h)
         if not direct:
-            fut = self.worker.submit(self._accumulate, self.slab_done[k], store, target, fresh, held)
+            fut = self.worker.submit(self._accumulate, self.slab_done[k], store, target, fresh, held, then)
             self.staging_busy[self._staged] = fut
             self.busy[id(store)] = fut
             self.pending.append(fut)
+        elif then is not None:
+            self.updates.append(self.worker.submit(self._after_copy, self.slab_done[k], store, then))
         for p, view, f in zip(layout.params, store.grad_views, fresh):
             if f:
                 p.grad = view
@@ -157,18 +169,32 @@ class _GradPath:
         return self.staging[j][:n]
 
     @staticmethod
-    def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[bool], held: list[bool]) -> None:
+    def _after_copy(done: Any, store: FlatStore, then: Callable[[FlatStore], None]) -> None:
+        done.synchronize()  # host worker: the D2H copy into the accumulator has landed
+        then(store)
+
+    @staticmethod
+    def _accumulate(
+        done: Any,
+        store: FlatStore,
+        staged: torch.Tensor,
+        fresh: list[bool],
+        held: list[bool],
+        then: Callable[[FlatStore], None] | None,
+    ) -> None:
         """Host worker: add (or, for parameters whose ``.grad`` was None, copy) a staged gradient."""
         done.synchronize()  # the worker waits for the D2H copy, the thread feeding the GPU does not
         assert store.grad is not None
         if not any(fresh):
             store.grad[: staged.numel()].add_(staged)  # one flat add; absent gradients are zeros
-            return
-        for view, src, f, h in zip(store.grad_views, store.layout.views(staged), fresh, held):
-            if f:
-                view.copy_(src)
-            elif h:
-                view.add_(src)
+        else:
+            for view, src, f, h in zip(store.grad_views, store.layout.views(staged), fresh, held):
+                if f:
+                    view.copy_(src)
+                elif h:
+                    view.add_(src)
+        if then is not None:
+            then(store)
 
     def drain(self) -> None:
         """Host sync point: every gradient of this backward is in its fp32 accumulator after this."""
@@ -179,8 +205,15 @@ class _GradPath:
         self.pending.clear()
         self.busy.clear()
 
+    def wait_updates(self) -> None:
+        """Host sync point: every overlapped optimizer update has run (and raised, if it failed)."""
+        for fut in self.updates:
+            fut.result()
+        self.updates.clear()
+
     def close(self) -> None:
         self.drain()
+        self.wait_updates()
         self.worker.shutdown(wait=True)
 
 
@@ -261,6 +294,9 @@ class StreamingEngine:
         self._res_saved_grads: list[torch.Tensor | None] = []
         self.in_step = False
         self.training = False
+        # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
+        self.on_grads_final: Callable[[FlatStore], None] | None = None
+        self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
 
         self._original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
@@ -294,7 +330,13 @@ class StreamingEngine:
         if self._recorded:
             self._order = self._recorded + list(reversed(self._recorded))
         self._recorded = []
+        self._calls = {}
         self._pos = 0
+
+    def wait_updates(self) -> None:
+        """Host sync point: the overlapped optimizer updates of this step have all run."""
+        self.grads.wait_updates()
+        self.on_grads_final = None
 
     def settle(self) -> None:
         """Resident parameters back to their host masters (gradients included), the worker idle.
@@ -304,6 +346,7 @@ class StreamingEngine:
         """
         self._resident_to_host(with_grads=True)
         self.grads.drain()
+        self.wait_updates()
 
     def weights_changed(self) -> None:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
@@ -381,7 +424,7 @@ class StreamingEngine:
             p.grad = saved
         self._res_on_device = False
         if with_grads and any(g is not None for g in grads):
-            self.grads.send(store, grads)
+            self.grads.send(store, grads, self.on_grads_final)
             self.counters.bump(self.counters.d2h, RESIDENT)
 
     # ------------------------------------------------------------------ blocks
@@ -401,6 +444,7 @@ class StreamingEngine:
                 finally:
                     engine.release(index)
             engine._recorded.append(index)  # the call order predicts the next micro-batch's prefetches
+            engine._calls[index] = engine._calls.get(index, 0) + 1
             spec = CallSpec(args, kwargs)
             anchor = engine._anchor()
             outs = StreamedBlock.apply(engine, index, spec, anchor, *spec.tensors())
@@ -497,7 +541,10 @@ class StreamingEngine:
         return s
 
     def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
-        self.grads.send(self.stores[block], grads)
+        left = self._calls.get(block, 1) - 1
+        self._calls[block] = left
+        final = left <= 0  # a block called twice in the forward is final after its second backward
+        self.grads.send(self.stores[block], grads, self.on_grads_final if final else None)
         self.counters.bump(self.counters.d2h, block)
 
     # ------------------------------------------------------------------ teardown
