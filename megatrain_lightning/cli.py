@@ -165,15 +165,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     throughput = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
     batch_shape = throughput.last_batch_shape if throughput is not None else None
+    summary = throughput.summary if throughput is not None else {}  # whole-run averages
     metrics = {
         **info,
         "micro_batch": batch_shape[0] if batch_shape else None,
         "seq_len": batch_shape[1] if batch_shape else None,
         "steps": trainer.global_step,
         "loss": fit_metrics.get("loss"),
-        "tokens_per_s": fit_metrics.get("tokens/s"),
-        "tflops": fit_metrics.get("TFLOPS"),
-        "mfu": fit_metrics.get("MFU"),
+        "tokens_per_s": summary.get("tokens/s"),
+        "tflops": summary.get("TFLOPS"),
+        "mfu": summary.get("MFU"),
         "peak_gpu_mem_gib": peak_gpu_reserved_bytes() / 1024**3,
         "peak_host_rss_gib": peak_host_rss_bytes() / 1024**3,
         "exact_match_start": start_em,

@@ -17,6 +17,7 @@ GB = 1e9
 
 # GPU name fragments → profile file, most specific first.
 _NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("A100", "a100_pcie"), ("3090", "rtx3090"))
+PINNED_FRACTION = 0.8  # most of the measured host memory that auto detection lets be pinned
 _PROFILES_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
 
 
@@ -56,7 +57,7 @@ class HardwareProfile:
     pinned_budget_gb: float
 
 
-def host_memory_gb() -> float:
+def measured_host_memory_gb() -> float:
     """Physical host memory (MemTotal), in GB."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
@@ -71,8 +72,8 @@ def load_profile(name: str, profiles_dir: Path = _PROFILES_DIR) -> HardwareProfi
     return HardwareProfile(**OmegaConf.to_container(merged, resolve=True))
 
 
-def detect(profiles_dir: str | None = None) -> HardwareProfile:
-    """The profile of this machine: matched by GPU name, memory sizes measured.
+def detect(host_memory_gb: float | None = None, device_memory_gb: float | None = None) -> HardwareProfile:
+    """The profile of this machine: matched by GPU name, memory sizes measured unless given.
 
     Without CUDA this is the `cpu` profile. An unknown GPU gets the `h200` profile's defaults with
     its own memory and no peak (MFU is then not reported): set `hardware=<profile>` or override
@@ -82,19 +83,19 @@ def detect(profiles_dir: str | None = None) -> HardwareProfile:
 
     import torch
 
-    where = Path(profiles_dir) if profiles_dir else _PROFILES_DIR
+    host = host_memory_gb or measured_host_memory_gb()
     if not torch.cuda.is_available():
-        base = load_profile("cpu", where)
-        mem = host_memory_gb()
-        return dataclasses.replace(base, name="auto(cpu)", host_memory_gb=mem, device_memory_gb=mem)
+        base = load_profile("cpu")
+        return dataclasses.replace(base, name="auto(cpu)", host_memory_gb=host, device_memory_gb=device_memory_gb or host)
     gpu = torch.cuda.get_device_name(0)
     match = next((p for frag, p in _NAME_TO_PROFILE if frag in gpu), None)
-    base = load_profile(match or "h200", where)
-    device_mem = torch.cuda.get_device_properties(0).total_memory / GB
+    base = load_profile(match or "h200")
     return dataclasses.replace(
         base,
         name=f"auto({match or gpu})",
-        device_memory_gb=device_mem,
-        host_memory_gb=host_memory_gb(),
+        device_memory_gb=device_memory_gb or torch.cuda.get_device_properties(0).total_memory / GB,
+        host_memory_gb=host,
         peak_bf16_tflops=base.peak_bf16_tflops if match else 0.0,
+        # The profile's budget assumes its own host; never page-lock most of a smaller one.
+        pinned_budget_gb=min(base.pinned_budget_gb, PINNED_FRACTION * host),
     )

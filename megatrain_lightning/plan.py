@@ -37,13 +37,21 @@ def check_fits(num_params: int, host_memory_gb: float, model: str = "the model",
     have = host_memory_gb * GB
     if need > have:
         raise ConfigError(
-            f"model={model} has {num_params / 1e9:.2f} B parameters, whose training state needs "
-            f"{need / GB:,.0f} GB of host memory ({STATE_BYTES_PER_PARAM} B/param fp32 master, gradient and "
+            f"model={model} has {_count(num_params)} parameters, whose training state needs "
+            f"{_gb(need / GB)} GB of host memory ({STATE_BYTES_PER_PARAM} B/param fp32 master, gradient and "
             f"2 AdamW moments + {TRANSFER_BYTES_PER_PARAM} B/param bf16 transfer copy), but hardware={hardware} "
-            f"has {host_memory_gb:,.0f} GB: choose a smaller model, a hardware profile with more host memory, "
+            f"has {_gb(host_memory_gb)} GB: choose a smaller model, a hardware profile with more host memory, "
             f"or set hardware.host_memory_gb if the profile is wrong for this machine"
         )
     return need
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def _gb(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def pin_memory_fits(num_params: int, pinned_budget_gb: float) -> bool:

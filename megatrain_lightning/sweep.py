@@ -64,6 +64,7 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     reason = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
     reason = reason or next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b", ln)), None)
     reason = reason or (lines[-1] if lines else "")
+    reason = reason.removeprefix("error:").strip()
     if returncode < 0:
         reason = f"killed by signal {signal.Signals(-returncode).name}" + (f": {reason}" if reason else "")
     if _OOM.search(reason):

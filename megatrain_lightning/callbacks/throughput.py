@@ -3,7 +3,7 @@
 Tokens are real tokens (padding excluded, via the batch's attention mask when it has one). Model
 FLOPs per token come from the module's `model_shape` (`6·N + 12·L·H·Q·T`, see `ModelShape`); MFU
 divides by the hardware profile's peak. Times are wall-clock over whole steps, so data loading and
-the optimizer step count, as they should.
+the optimizer step count, as they should; validation inside `fit` does not (the clock pauses).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing_extensions import override
 
 
 class ThroughputMonitor(pl.Callback):
-    """Logs `tokens/s`, `TFLOPS` and `MFU`, each averaged over a window of steps.
+    """Logs `tokens/s`, `TFLOPS` and `MFU` per window of steps; keeps whole-run figures in `summary`.
 
     Args:
         peak_tflops: the device's peak (bf16 dense) for MFU; None or 0 leaves MFU out.
-        window: steps per measurement. Longer is steadier but updates the bar less often; on CUDA
+        window: steps per progress-bar figure. Longer is steadier but updates less often; on CUDA
             each window costs one device synchronisation (without it the clock would stop when
             kernels are queued, not when they finish).
         skip_first: steps left out at the start (warm-up, allocator growth, kernel selection).
@@ -32,12 +32,12 @@ class ThroughputMonitor(pl.Callback):
         self.peak_tflops = peak_tflops
         self.window = window
         self.skip_first = skip_first
+        self.summary: dict[str, float] = {}  # whole run after skip_first: tokens/s, TFLOPS, MFU
+        self.last_batch_shape: tuple[int, ...] | None = None  # [micro-batch, sequence length]
         self._steps = 0
-        self._start: float | None = None
-        self._tokens = 0
-        self._flops = 0.0
-        self._in_window = 0
-        self.last_batch_shape: tuple[int, int] | None = None  # [micro-batch, sequence length]
+        self._paused_at: float | None = None
+        self._window = _Span()
+        self._run = _Span()
 
     @staticmethod
     def real_tokens(batch: Any) -> tuple[int, int]:
@@ -50,8 +50,16 @@ class ThroughputMonitor(pl.Callback):
 
     def _now(self, trainer: pl.Trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()  # sync point, once per window
+            torch.cuda.synchronize()  # sync point: once per window (and around validation)
         return time.perf_counter()
+
+    def _rates(self, span: "_Span", elapsed: float) -> dict[str, float]:
+        rates = {"tokens/s": span.tokens / elapsed}
+        if span.flops:
+            rates["TFLOPS"] = span.flops / elapsed / 1e12
+            if self.peak_tflops:
+                rates["MFU"] = rates["TFLOPS"] / self.peak_tflops
+        return rates
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -59,22 +67,49 @@ class ThroughputMonitor(pl.Callback):
         self.last_batch_shape = tuple(batch["input_ids"].shape)
         if self._steps < self.skip_first:
             return
-        if self._start is None:  # the window opens at the end of a step; it counts the steps after
-            self._start = self._now(trainer)
+        if self._run.start is None:  # the clock starts at the end of a step; it times the steps after
+            self._run.start = self._window.start = self._now(trainer)
             return
         tokens, seq_len = self.real_tokens(batch)
         shape = getattr(pl_module, "model_shape", None)
-        self._tokens += tokens
-        self._flops += shape.flops_per_token(seq_len) * tokens if shape is not None else 0.0
-        self._in_window += 1
-        if self._in_window < self.window:
+        flops = shape.flops_per_token(seq_len) * tokens if shape is not None else 0.0
+        self._window.add(tokens, flops)
+        self._run.add(tokens, flops)
+        if self._window.steps < self.window:
             return
         now = self._now(trainer)
-        elapsed, self._start = now - self._start, now
-        pl_module.log("tokens/s", self._tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
-        if shape is not None:
-            tflops = self._flops / elapsed / 1e12
-            pl_module.log("TFLOPS", tflops, prog_bar=True, on_step=True, on_epoch=False)
-            if self.peak_tflops:
-                pl_module.log("MFU", tflops / self.peak_tflops, on_step=True, on_epoch=False)
-        self._tokens, self._flops, self._in_window = 0, 0.0, 0
+        rates = self._rates(self._window, now - self._window.start)
+        for name, value in rates.items():
+            pl_module.log(name, value, prog_bar=name != "MFU", on_step=True, on_epoch=False)
+        self._window = _Span(start=now)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training and self._run.start is not None:
+            self._paused_at = self._now(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused_at is not None:
+            paused = self._now(trainer) - self._paused_at
+            self._run.start += paused
+            self._window.start += paused
+            self._paused_at = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._run.start is not None and self._run.steps:
+            self.summary = self._rates(self._run, self._now(trainer) - self._run.start)
+
+
+class _Span:
+    """Tokens and FLOPs counted since `start` (a perf_counter time)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = start
+        self.steps, self.tokens, self.flops = 0, 0, 0.0
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += flops
