@@ -41,7 +41,7 @@ def test_default_run_learns_arithmetic_in_under_two_minutes(tmp_path: Path) -> N
     shown = proc.stdout + proc.stderr
     for field in ("loss", "tokens/s", "TFLOPS"):  # on the progress bar
         assert field in shown, field
-    assert (metrics_file.parent / "metrics.csv").is_file()  # the CSV logger's per-step log
+    assert (metrics_file.parent / "logs" / "metrics.csv").is_file()  # the CSV logger's per-step log
     assert wall < 120, f"the default run took {wall:.0f} s (budget: 2 minutes on 2 cores)"
 
 

@@ -1,0 +1,32 @@
+"""The recipes run as documented (shortened where they take a step count)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_recipe_opens_with_the_command_that_runs_it() -> None:
+    for path in sorted(RECIPES.glob("*.py")) + sorted(RECIPES.glob("*.sh")):
+        lines = path.read_text().splitlines()
+        first = lines[1] if lines[0].startswith("#!") else lines[0]
+        assert first.startswith(("# python recipes/", "# bash recipes/")), f"{path.name}: {first!r}"
+        assert path.name in first, path.name
+
+
+@pytest.mark.slow
+def test_plain_python_recipe_trains_with_megatrain_strategy() -> None:
+    loss = load("plain_python_megatrain").main(max_steps=40)
+    assert loss < 0.6 * math.log(256)
