@@ -138,17 +138,19 @@ class _GradPath:
         # Straight into the accumulator only when it holds nothing that must be kept.
         direct = all(p.grad is None for p in layout.params) and not self._busy(store)
         target = host[:n] if direct else self._take_staging(n)
+        # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
+        done = self.slab_done[k] = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(self.streams.d2h, self.slab_written[k])
             target.copy_(slab, non_blocking=True)
-            self.slab_done[k].record(self.streams.d2h)
+            done.record(self.streams.d2h)
         if not direct:
-            fut = self.worker.submit(self._accumulate, self.slab_done[k], store, target, fresh, held, then)
+            fut = self.worker.submit(self._accumulate, done, store, target, fresh, held, then)
             self.staging_busy[self._staged] = fut
             self.busy[id(store)] = fut
             self.pending.append(fut)
         elif then is not None:
-            self.updates.append(self.worker.submit(self._after_copy, self.slab_done[k], store, then))
+            self.updates.append(self.worker.submit(self._after_copy, done, store, then))
         for p, view, f in zip(layout.params, store.grad_views, fresh):
             if f:
                 p.grad = view

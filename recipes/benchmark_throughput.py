@@ -1,0 +1,239 @@
+# python recipes/benchmark_throughput.py --model qwen2_5_3b --strategies megatrain single_device --steps 10
+"""Side-by-side throughput of MegaTrainStrategy and its baselines on one GPU, one subprocess per run.
+
+Each run builds a randomly initialised Hugging Face model of a published shape, trains it for
+``--steps`` optimizer steps on random tokens (no padding) and reports the mean step time over the
+steps after ``--warmup``, tokens/s, model TFLOPS = (6 N + 12 L H Q T) x tokens/s (N: parameters a
+token passes through, excluding the input embedding table; recompute not counted), MFU against the
+measured 803 TFLOPS bf16 matmul rate of an H200, peak GPU memory (reserved) and peak host RSS.
+Results are appended to ``--out`` as CSV and Markdown with the columns of issue 4.
+
+Strategies: ``megatrain`` (host store, streamed blocks, host AdamW), ``single_device`` (everything on
+the GPU, Hugging Face per-layer gradient checkpointing, fused AdamW).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    # published Qwen2.5 hyperparameters
+    "qwen2_5_1_5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2_5_3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2_5_7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+COLUMNS = ["date", "machine", "model", "params_b", "strategy", "micro_batch", "accumulate", "seq_len", "step_s",
+           "tokens_per_s", "model_tflops", "mfu", "peak_gpu_gib", "peak_host_rss_gib", "status"]
+H200_BF16_TFLOPS = 803.0
+
+
+def _one_run(args: argparse.Namespace) -> dict:
+    import lightning as L
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import megatrain_lightning
+
+    shape = dict(SHAPES[args.model])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    cfg = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    target = "cpu" if args.strategy == "megatrain" else "cuda"
+    model = model.to_empty(device=target)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device=target)  # its buffers, rebuilt
+    with torch.no_grad():  # cheap random init: drawn on the GPU, copied where the model lives
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, device="cuda").mul_(0.02))
+    if args.strategy == "single_device":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    steps_t: list[float] = []
+
+    class Bench(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, _):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.1, fused=True)
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i) -> None:
+            if i % args.accumulate == 0:
+                torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            if (i + 1) % args.accumulate == 0:
+                torch.cuda.synchronize()
+                steps_t.append(time.perf_counter() - self.t0)
+
+    callbacks: list = [Timer()]
+    if args.breakdown and args.strategy == "megatrain":
+        callbacks.append(_breakdown(torch))
+    n_batches = args.steps * args.accumulate
+    data = torch.randint(0, cfg.vocab_size, (n_batches * args.micro_batch, args.seq_len))
+    loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch)
+    if args.host_threads:
+        torch.set_num_threads(args.host_threads)
+    strategy = (
+        megatrain_lightning.MegaTrainStrategy(slots=args.slots, overlap_optimizer=not args.no_overlap)
+        if args.strategy == "megatrain"
+        else "auto"
+    )
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
+                        max_steps=args.steps, accumulate_grad_batches=args.accumulate, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks)
+    torch.cuda.reset_peak_memory_stats()
+    trainer.fit(Bench(), loader)
+    step_s = sum(steps_t[args.warmup:]) / len(steps_t[args.warmup:])
+    n_total = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    head = cfg.vocab_size * cfg.hidden_size
+    n_flop = n_total - embed + (head if cfg.tie_word_embeddings else 0)
+    L_, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    Q = cfg.hidden_size // H
+    tokens = args.micro_batch * args.seq_len * args.accumulate
+    flops_per_token = 6 * n_flop + 12 * L_ * H * Q * args.seq_len
+    tflops = flops_per_token * tokens / step_s / 1e12
+    return dict(params_b=round(n_total / 1e9, 3), step_s=round(step_s, 4), tokens_per_s=round(tokens / step_s),
+                model_tflops=round(tflops, 1), mfu=round(tflops / H200_BF16_TFLOPS, 3),
+                peak_gpu_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                step_times=[round(t, 4) for t in steps_t])
+
+
+def _breakdown(torch):
+    """Per-step phases of megatrain, host-timed with a device sync at each boundary (slightly perturbs
+    the overlap it measures): forward, backward (to the end of the gradient drain), the step's tail
+    (resident update, remaining host work), and the host-worker AdamW time (overlapped with the backward)."""
+    import lightning as L
+
+    from megatrain_lightning.engine.pipeline import StreamingEngine
+    from megatrain_lightning.optim import HostOptimizer
+
+    marks: dict[str, float] = {}
+    adam = {"s": 0.0, "last": 0.0, "first": None}
+    orig_finish, orig_store = StreamingEngine.finish_backward, HostOptimizer.step_store
+
+    def finish(self):
+        orig_finish(self)
+        torch.cuda.synchronize()
+        marks["bwd_end"] = time.perf_counter()
+
+    def step_store(self, store):
+        t = time.perf_counter()
+        if adam["first"] is None:
+            adam["first"] = t
+        orig_store(self, store)
+        adam["s"] += time.perf_counter() - t
+        adam["last"] = time.perf_counter()
+
+    StreamingEngine.finish_backward, HostOptimizer.step_store = finish, step_store
+
+    class Breakdown(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i) -> None:
+            torch.cuda.synchronize()
+            marks["start"] = time.perf_counter()
+            adam["s"], adam["first"] = 0.0, None
+
+        def on_before_backward(self, trainer, module, loss) -> None:
+            torch.cuda.synchronize()
+            marks["fwd_end"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            torch.cuda.synchronize()
+            end = time.perf_counter()
+            print(f"breakdown step {i}: forward {marks['fwd_end'] - marks['start']:.3f} s, backward "
+                  f"{marks['bwd_end'] - marks['fwd_end']:.3f} s, tail {end - marks['bwd_end']:.3f} s; host AdamW "
+                  f"{adam['s']:.3f} s busy, first update {(adam['first'] or 0) - marks['fwd_end']:+.3f} s into the backward, last update {adam['last'] - marks['bwd_end']:+.3f} s after backward",
+                  file=sys.stderr, flush=True)
+
+    return Breakdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_5_3b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=0, help="override the number of blocks (0: published)")
+    ap.add_argument("--strategies", nargs="+", default=["megatrain", "single_device"])
+    ap.add_argument("--strategy", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--slots", type=int, default=3)
+    ap.add_argument("--no-overlap", action="store_true", help="megatrain: host step after the backward")
+    ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--breakdown", action="store_true", help="megatrain: print per-step phase times")
+    ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--out", default=f"recipes/results/{datetime.date.today()}-h200-throughput")
+    args = ap.parse_args()
+    if args.strategy:  # child process: one run, JSON on the last line
+        print(json.dumps(_one_run(args)))
+        return
+    rows = []
+    for strategy in args.strategies:
+        label = strategy + ("-no-overlap" if args.no_overlap and strategy == "megatrain" else "") + (
+            f"-{args.host_threads}threads" if args.host_threads else "")
+        cmd = [sys.executable, __file__, "--strategy", strategy] + [
+            a for a in sys.argv[1:] if a != "--strategies" and a not in args.strategies
+        ]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        row = dict(date=str(datetime.date.today()), machine=os.environ.get("MACHINE", "nvidia-h200"),
+                   model=args.model + (f"-{args.layers}l" if args.layers else ""), strategy=label,
+                   micro_batch=args.micro_batch, accumulate=args.accumulate, seq_len=args.seq_len)
+        if proc.returncode == 0:
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"{label}: step times {result.pop('step_times')} ({time.time() - t0:.0f} s with setup)")
+            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith("breakdown")))
+            row.update(result, status="ok")
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+            row.update(status="out of memory" if "out of memory" in proc.stderr.lower() else f"error: {tail[0][:200]}")
+            print(proc.stderr[-3000:])
+        rows.append(row)
+        print(row, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = not out.with_suffix(".csv").exists()
+    with out.with_suffix(".csv").open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    with out.with_suffix(".md").open("a") as f:
+        if new:
+            f.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |\n")
+        f.write(f"\ncommand: `python {' '.join(sys.argv)}`\n\n")
+
+
+if __name__ == "__main__":
+    main()
