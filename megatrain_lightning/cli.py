@@ -25,7 +25,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile
-from megatrain_lightning.plan import GB, check_fits, estimate_host_bytes, pin_memory_fits
+from megatrain_lightning.plan import GB, check_fits, device_state_warning, estimate_host_bytes, pin_memory_fits
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 _OPTIONAL_PACKAGES = {
     "lightning.pytorch.strategies.DeepSpeedStrategy": ("deepspeed", "pip install deepspeed"),
 }
+
+# Strategies that keep every byte of training state on the device.
+_DEVICE_RESIDENT = ("SingleDeviceStrategy",)
 
 
 def instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -140,6 +143,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         }
         _write_json(out_dir / "run_info.json", info)
         check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name)
+        if hw.accelerator == "cuda" and str(cfg.strategy.get("_target_")).endswith(_DEVICE_RESIDENT):
+            warning = device_state_warning(shape.total_params, hw.device_memory_gb, strategy_name)
+            if warning:
+                log.warning(warning)
         log.info(
             "plan: %s, %.3f B parameters (%.3f B active per token); host state %.1f GB of %.0f GB; "
             "bf16 weights stream in %.2f s per pass at %.0f GB/s",

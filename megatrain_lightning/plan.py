@@ -54,6 +54,20 @@ def _gb(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
+def device_state_warning(num_params: int, device_memory_gb: float, strategy: str) -> str | None:
+    """For a strategy that keeps all training state on the device: a warning when it cannot fit.
+
+    Not an error: the sweep is where one finds out, and its table records the out-of-memory.
+    """
+    need = num_params * STATE_BYTES_PER_PARAM
+    if need <= device_memory_gb * GB:
+        return None
+    return (
+        f"strategy={strategy} keeps {STATE_BYTES_PER_PARAM} B/param of training state on the device: "
+        f"{_gb(need / GB)} GB > {_gb(device_memory_gb)} GB of device memory; expect an out-of-memory error"
+    )
+
+
 def pin_memory_fits(num_params: int, pinned_budget_gb: float) -> bool:
     """Whether the buffers MegaTrainStrategy pins stay within the profile's pinned-memory budget.
 

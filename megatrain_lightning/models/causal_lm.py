@@ -97,6 +97,7 @@ class CausalLM(pl.LightningModule):
             return
         if self.hparams.pretrained:
             model = load_pretrained(self.hparams.pretrained, self._attn_impl())
+            model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
         else:
             meta = self.__dict__.pop("_meta_model", None)
             if meta is None or torch.get_default_dtype() != torch.float32:
