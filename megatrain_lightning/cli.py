@@ -36,6 +36,8 @@ _OPTIONAL_PACKAGES = {
 
 # Strategies that keep every byte of training state on the device.
 _DEVICE_RESIDENT = ("SingleDeviceStrategy",)
+# Lightning refuses these without a GPU accelerator.
+_CUDA_ONLY = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 def instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -85,13 +87,19 @@ def resolve_hardware(cfg: DictConfig) -> HardwareProfile:
     return profile
 
 
-def require_packages(strategy_node: DictConfig, name: str) -> None:
-    """A clear error, before anything is built, for a strategy whose optional package is missing."""
-    need = _OPTIONAL_PACKAGES.get(str(strategy_node.get("_target_")))
+def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareProfile) -> None:
+    """A clear error, before anything is built, for a strategy whose package or GPU is missing."""
+    target = str(strategy_node.get("_target_"))
+    need = _OPTIONAL_PACKAGES.get(target)
     if need and importlib.util.find_spec(need[0]) is None:
         raise ConfigError(
             f"strategy={name} needs the {need[0]} package, which is not installed: {need[1]} "
             f"(on a CUDA machine), or choose strategy=megatrain or strategy=fsdp_cpu_offload"
+        )
+    if target.endswith(_CUDA_ONLY) and hw.accelerator != "cuda":
+        raise ConfigError(
+            f"strategy={name} runs only on CUDA GPUs, but hardware={hw.name} has accelerator={hw.accelerator}: "
+            f"choose a GPU hardware profile, or strategy=megatrain or strategy=single_device"
         )
 
 
@@ -129,7 +137,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         hw = resolve_hardware(cfg)
         strategy_name, model_name = choice(cfg, "strategy"), choice(cfg, "model")
-        require_packages(cfg.strategy, strategy_name)
+        check_strategy_runs_here(cfg.strategy, strategy_name, hw)
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         model = instantiate(cfg.model)  # meta device only: parameters counted, nothing allocated
         shape = model.model_shape

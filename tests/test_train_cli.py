@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ADDRESS_SPACE_LIMIT = 16 * 1024**3  # bad input runs get this much virtual memory: refusal must come first
 
@@ -89,6 +90,10 @@ BAD_INPUT = {
         ["error: model=qwen2_5_72b has 72.71 B parameters", "1,309 GB of host memory", "hardware=cpu has 32 GB"],
     ),
 }
+if not torch.cuda.is_available():
+    BAD_INPUT["GPU-only baseline on a CPU"] = (
+        ["strategy=fsdp_cpu_offload", "hardware=cpu"], ["error: strategy=fsdp_cpu_offload runs only on CUDA GPUs"]
+    )
 if importlib.util.find_spec("deepspeed") is None:
     BAD_INPUT["deepspeed not installed"] = (
         ["strategy=deepspeed_zero3_offload"], ["error: strategy=deepspeed_zero3_offload needs the deepspeed package"]
