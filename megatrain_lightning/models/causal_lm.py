@@ -46,7 +46,9 @@ class CausalLM(pl.LightningModule):
         loss_chunk_tokens: compute the LM head and loss this many tokens at a time, each chunk
             recomputed in backward, so that `[tokens, vocab]` logits never exist at once (with a
             150 K vocabulary they are the largest activation). Costs one extra LM-head matmul.
-            None: one pass, simplest and fastest when the logits fit.
+            None: one pass, simplest and fastest when the logits fit. Chunks apply the plain
+            output embedding, right for every family configured here (Llama, Qwen, Mistral,
+            GPT-OSS), not for models that rescale logits after it (Gemma's soft-capping).
         attn_implementation: transformers attention backend (`sdpa`, `eager`, `flash_attention_2`);
             None lets the model pick (GPT-OSS needs `eager` for its attention sinks).
     """
