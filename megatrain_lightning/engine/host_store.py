@@ -4,7 +4,7 @@ One :class:`FlatStore` per streamed block (and one for the resident parts: embed
 It lays the block's parameters out in one contiguous fp32 buffer, at offsets aligned to 64 bytes, and
 turns the module's own parameters into views of it: ``state_dict()``, checkpoints and callbacks keep
 seeing ordinary host tensors that *are* the master weights. The gradient accumulator and the Adam
-moments use the same layout, so that one copy moves a whole block and one fused kernel updates it.
+moments use the same layout, so that one copy moves a whole block in either direction.
 
 Memory: 4 bytes/param master, 4 gradient (allocated on first use), 8 Adam moments (allocated by the
 host optimizer). Pinning, when asked for, registers the exact buffer with the CUDA driver instead of
@@ -13,8 +13,7 @@ taking it from torch's caching pinned allocator, which rounds every request up t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -26,43 +25,23 @@ def _align(n: int, elems: int) -> int:
     return (n + elems - 1) // elems * elems
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous range ``[start, end)`` of a flat buffer holding the parameters ``params``."""
-
-    start: int
-    end: int
-    params: tuple[nn.Parameter, ...]
-
-
 class FlatLayout:
     """Offsets of a list of parameters inside one flat buffer.
 
-    Every parameter starts at a multiple of 16 elements: 64 bytes in fp32, 32 in bf16. ``groups`` is an
-    optional key per parameter (the optimizer param-group index); parameters of one key are laid out
-    next to each other so that each (block, group) pair is one contiguous :class:`Segment`.
+    Every parameter starts at a multiple of 16 elements: 64 bytes in fp32, 32 in bf16, so every view
+    is aligned for vectorised host kernels and device copies.
     """
 
     ALIGN_ELEMS = ALIGN_BYTES // 4
 
-    def __init__(self, params: Sequence[nn.Parameter], groups: Sequence[int] | None = None) -> None:
-        if groups is None:
-            groups = [0] * len(params)
-        order = sorted(range(len(params)), key=lambda i: groups[i])  # stable: keeps module order in a group
-        self.params: list[nn.Parameter] = [params[i] for i in order]
-        self.groups: list[int] = [groups[i] for i in order]
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params: list[nn.Parameter] = list(params)
         self.offsets: list[int] = []
         cursor = 0
         for p in self.params:
             self.offsets.append(cursor)
             cursor = _align(cursor + p.numel(), self.ALIGN_ELEMS)
         self.numel = max(cursor, self.ALIGN_ELEMS)
-        self.segments: dict[int, Segment] = {}
-        for g in dict.fromkeys(self.groups):
-            idx = [i for i, gi in enumerate(self.groups) if gi == g]
-            start = self.offsets[idx[0]]
-            end = self.offsets[idx[-1]] + self.params[idx[-1]].numel()
-            self.segments[g] = Segment(start, end, tuple(self.params[i] for i in idx))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like each parameter, in layout order."""
@@ -98,13 +77,8 @@ class FlatStore:
     parameter at its view (``param.data = view``), so the module keeps its own Parameter objects.
     """
 
-    def __init__(
-        self,
-        params: Sequence[nn.Parameter],
-        pins: PinnedRegistry,
-        groups: Sequence[int] | None = None,
-    ) -> None:
-        self.layout = FlatLayout(params, groups)
+    def __init__(self, params: Sequence[nn.Parameter], pins: PinnedRegistry) -> None:
+        self.layout = FlatLayout(params)
         self._pins = pins
         self.master = pins.empty(self.layout.numel)
         self.master.zero_()  # alignment padding stays zero: it enters norms and copies
@@ -148,15 +122,3 @@ class FlatStore:
             if p is param:
                 return i
         raise KeyError("parameter is not in this store")
-
-
-def param_groups_index(optimizers: Iterable[torch.optim.Optimizer]) -> dict[int, int]:
-    """``id(param) -> global param-group number`` over all optimizers, for :class:`FlatLayout` grouping."""
-    index: dict[int, int] = {}
-    g = 0
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                index.setdefault(id(p), g)
-            g += 1
-    return index

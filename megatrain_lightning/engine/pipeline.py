@@ -30,6 +30,7 @@ from torch import nn
 
 from .device_slots import BlockBinding, DeviceSlots
 from .host_store import FlatStore, PinnedRegistry
+from .materialize import InitFn, MetaMaterializer
 from .streamed_block import CallSpec, StreamedBlock
 
 RESIDENT = -1  # counter key of the resident parameters
@@ -144,6 +145,10 @@ class _GradPath:
             self.streams.wait(self.streams.d2h, self.slab_written[k])
             target.copy_(slab, non_blocking=True)
             done.record(self.streams.d2h)
+        # Attach before the worker may look: the overlapped update reads ``p.grad``.
+        for p, view, f in zip(layout.params, store.grad_views, fresh):
+            if f:
+                p.grad = view
         if not direct:
             fut = self.worker.submit(self._accumulate, done, store, target, fresh, held, then)
             self.staging_busy[self._staged] = fut
@@ -151,9 +156,6 @@ class _GradPath:
             self.pending.append(fut)
         elif then is not None:
             self.updates.append(self.worker.submit(self._after_copy, done, store, then))
-        for p, view, f in zip(layout.params, store.grad_views, fresh):
-            if f:
-                p.grad = view
 
     def _busy(self, store: FlatStore) -> bool:
         fut = self.busy.get(id(store))
@@ -233,8 +235,9 @@ class StreamingEngine:
         slots: device weight buffers (>= 2). More slots prefetch deeper; each costs one block of memory.
         pin_memory: pin the host masters and gradient accumulators (exact size) so copies run at full
             link speed; only meaningful with CUDA. ``None``: pin when the device is CUDA.
-        group_of: ``id(param) -> optimizer param-group number``, so each (block, group) pair is one
-            contiguous range of the flat buffers.
+        init: fills the tensors of modules built on the meta device, which the engine materialises
+            block by block straight into the host store (see ``materialize.py``). Required only when
+            the model holds meta tensors.
     """
 
     def __init__(
@@ -245,31 +248,30 @@ class StreamingEngine:
         compute_dtype: torch.dtype = torch.float32,
         slots: int = 2,
         pin_memory: bool | None = None,
-        group_of: dict[int, int] | None = None,
+        init: InitFn | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.streams = _Streams(self.device)
         self.pins = PinnedRegistry(self.streams.cuda if pin_memory is None else pin_memory)
-        group_of = group_of or {}
-
-        def groups(ps: Sequence[nn.Parameter]) -> list[int]:
-            return [group_of.get(id(p), 1 << 30) for p in ps]
-
+        materialize = MetaMaterializer(init)
         self.blocks = list(blocks)
         self.stores: list[FlatStore] = []
         self.bindings: list[BlockBinding] = []
+        block_ids = {id(b) for b in self.blocks}
         for block in self.blocks:
+            materialize(block)  # a meta-built block becomes host tensors now, just before its store
             ps = list(block.parameters())
-            store = FlatStore(ps, self.pins, groups(ps))
+            store = FlatStore(ps, self.pins)
             self.stores.append(store)
             binding = BlockBinding(block, store.params)
             binding.buffers_to(self.device)
             self.bindings.append(binding)
+        materialize(root, skip=block_ids)
         in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
         self.root = root
         self.resident = [p for p in root.parameters() if id(p) not in in_blocks]
-        self.resident_store = FlatStore(self.resident, self.pins, groups(self.resident)) if self.resident else None
+        self.resident_store = FlatStore(self.resident, self.pins) if self.resident else None
         self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
 
         max_numel = max(s.numel for s in self.stores)
