@@ -200,13 +200,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ steps
     @contextmanager
-    def _step(self, training: bool) -> Generator[None, None, None]:
+    def _step(self) -> Generator[None, None, None]:
         engine = self.engine
         if engine is None:
             yield
             return
         engine.settle()
-        engine.open_step(training)
+        engine.open_step()
         try:
             yield
         finally:
@@ -214,7 +214,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step(training=True):
+        with self._step():
             if self.engine is not None:
                 host = self._overlap_target()
                 self.engine.on_grads_final = host.step_store if host is not None else None
@@ -244,26 +244,24 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         host = self.precision_plugin.host_optimizers.get(id(self.optimizers[0]))
         return host if host is not None and host.can_overlap() else None
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step(training=False):
-            out = super().validation_step(*args, **kwargs)
+    def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """Validation, test and predict stream too; resident parameters go home right after."""
+        with self._step():
+            out = step(*args, **kwargs)
         self._settle()
         return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step(training=False):
-            out = super().test_step(*args, **kwargs)
-        self._settle()
-        return out
+        return self._eval_step(super().test_step, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step(training=False):
-            out = super().predict_step(*args, **kwargs)
-        self._settle()
-        return out
+        return self._eval_step(super().predict_step, *args, **kwargs)
 
     def _settle(self) -> None:
         if self.engine is not None:

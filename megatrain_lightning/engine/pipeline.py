@@ -297,22 +297,21 @@ class StreamingEngine:
         self._res_stale = True
         self._res_saved_grads: list[torch.Tensor | None] = []
         self.in_step = False
-        self.training = False
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Callable[[FlatStore], None] | None = None
         self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
 
         self._original_forwards: dict[int, Callable[..., Any]] = {}
+        self._anchor_t: torch.Tensor | None = None
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
         # Any module owning a resident parameter pulls the resident set onto the device when it runs.
         self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in self._resident_owners()]
 
     # ------------------------------------------------------------------ step scope
-    def open_step(self, training: bool) -> None:
+    def open_step(self) -> None:
         """Enter a step: resident weights go to the device and the first blocks start streaming in."""
         self.in_step = True
-        self.training = training
         self._pos = 0
         self._recorded = []
         self.ensure_resident()
@@ -457,7 +456,7 @@ class StreamingEngine:
         return streamed_forward
 
     def _anchor(self) -> torch.Tensor:
-        if not hasattr(self, "_anchor_t"):
+        if self._anchor_t is None:
             self._anchor_t = torch.zeros((), device=self.device, requires_grad=True)
         return self._anchor_t
 

@@ -55,6 +55,10 @@ def materialize(model: PreTrainedModel, device: torch.device) -> PreTrainedModel
 def load_pretrained(path: str, attn_implementation: str | None = None) -> PreTrainedModel:
     """Weights from a local checkpoint, in fp32 (the master copy; mixed precision casts per op)."""
     pretrained_config(path)  # the clear error for a wrong path, before transformers' own
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
-    )
+    # Under a meta init context (MegaTrainStrategy's configure_model) real weights load on the host;
+    # the strategy then moves them into its store block by block.
+    device = torch.get_default_device()
+    with torch.device("cpu" if device.type == "meta" else device):
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
+        )
