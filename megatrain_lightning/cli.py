@@ -157,9 +157,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 log.warning(warning)
         log.info(
             "plan: %s, %.3f B parameters (%.3f B active per token); host state %.1f GB of %.0f GB; "
-            "bf16 weights stream in %.2f s per pass at %.0f GB/s",
+            "weights stream in %.2f s per pass (fp32 masters, cast on the device) at %.0f GB/s",
             model_name, shape.total_params / 1e9, shape.active_params / 1e9,
-            info["host_state_gb"], hw.host_memory_gb, 2 * shape.total_params / GB / hw.link_gb_per_s,
+            info["host_state_gb"], hw.host_memory_gb, 4 * shape.total_params / GB / hw.link_gb_per_s,
             hw.link_gb_per_s,
         )
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
