@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from .blocks import find_blocks
+from .checkpoint_io import ShardedCheckpointIO
 from .engine.pipeline import StreamingEngine
 from .optim import HostOptimizer, chain_zero_grad
 from .init import initializer_for
@@ -53,7 +54,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             the Hugging Face model's ``_init_weights`` or each module's ``reset_parameters()``. Values
             are drawn afresh, so they differ from an eager build with the same seed. Modules built in
             ``__init__`` are real already and are moved into the store as they are.
-        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; a precision plugin
+        checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
+            (a directory of safetensors shards, written a shard at a time and atomically).
+        accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
     """
 
@@ -71,6 +74,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        # Default: sharded, atomic checkpoint directories (TorchCheckpointIO would hold a second copy of
+        # all weights and optimizer state in memory while saving).
+        checkpoint_io = ShardedCheckpointIO() if checkpoint_io is None else checkpoint_io
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         if slots < 2:
             raise ValueError(f"slots={slots}: MegaTrainStrategy needs at least 2 device slots to overlap copies")

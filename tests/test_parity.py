@@ -26,6 +26,7 @@ from conftest import (
     rel_diff,
     run_parity,
 )
+from megatrain_lightning.checkpoint_io import ShardedCheckpointIO
 from zoo import ZOO, LinearOnly, ResidualMLPBlock, TinyLlama, UserBlocks
 
 
@@ -163,7 +164,7 @@ def test_resume_parity(tmp_path: Any) -> None:
     path = tmp_path / "epoch=0.ckpt"
     assert path.exists(), sorted(p.name for p in tmp_path.iterdir())
     compare_losses(full_native.losses[:3], first.losses, what="loss before the checkpoint")
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = ShardedCheckpointIO().load_checkpoint(path, weights_only=False)  # the strategy's default format
     assert set(saved["state_dict"]) == set(full_native.state), "checkpoint state_dict keys differ from the module's"
     compare_states(first.state, saved["state_dict"], what="checkpoint state_dict")
 
