@@ -41,6 +41,8 @@ class HardwareProfile:
             copy behind its compute.
         pinned_budget_gb: most host memory to pin; above it MegaTrainStrategy runs with pageable
             buffers (about 8x slower copies) rather than starve the machine.
+        host_adam_gparams_per_s: fused fp32 AdamW on the host, G params/s (the planner's host
+            optimizer ceiling; memory-bandwidth bound, so it scales with the host's DRAM bandwidth).
     """
 
     name: str
@@ -55,6 +57,7 @@ class HardwareProfile:
     micro_batch: int
     seq_len: int
     pinned_budget_gb: float
+    host_adam_gparams_per_s: float = 1.0  # unknown host: a conservative guess; profiles set their own
 
 
 def measured_host_memory_gb() -> float:

@@ -78,3 +78,69 @@ def pin_memory_fits(num_params: int, pinned_budget_gb: float) -> bool:
     or reclaimed, and pinning too much starves the rest of the machine.
     """
     return num_params * PINNED_BYTES_PER_PARAM <= pinned_budget_gb * GB
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatrain_lightning.plan model=... hardware=... [key=value ...]`: print the plan.
+
+    Composes the training config from conf/ (as train.py would; `data=synthetic` unless a data option
+    is given, so `data.batch_size` and `data.seq_len` are the micro-batch shape) and prints the
+    planner's table (megatrain_lightning.planner). Exit 2 with one line when it does not fit.
+    """
+    import sys
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    overrides = ([] if any(a.startswith("data=") for a in args) else ["data=synthetic"]) + args
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+        print(_format(plan_from_config(cfg)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except MissingMandatoryValue as err:
+        print(f"error: {err.full_key} must be set, e.g. python -m megatrain_lightning.plan {err.full_key}=...",
+              file=sys.stderr)
+        return 2
+    except (OmegaConfBaseException, ValueError) as err:  # a bad override: Hydra's own one-line reason
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan out)
+    """The plan of a composed training config (the model built on the meta device only)."""
+    from megatrain_lightning.cli import resolve_hardware
+    from megatrain_lightning.models.build import hf_config, meta_model, pretrained_config
+    from megatrain_lightning.planner import PlanShape, RunSettings, make_plan
+
+    hw = resolve_hardware(cfg)
+    m = cfg.model
+    config = pretrained_config(m.pretrained) if m.get("pretrained") else hf_config(dict(m.config))
+    shape = PlanShape.of(meta_model(config))
+    data = cfg.data
+    seq_len = data.get("seq_len") or data.get("max_length")
+    run = RunSettings(
+        micro_batch=int(data.batch_size),
+        seq_len=int(seq_len),
+        accumulate=int(cfg.trainer.get("accumulate_grad_batches") or 1),
+        slots=int(cfg.strategy.get("slots") or hw.slots),
+        loss_chunk_tokens=m.get("loss_chunk_tokens"),
+        bf16=str(hw.precision).startswith("bf16"),
+    )
+    return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
+
+
+def _format(plan) -> str:  # noqa: ANN001
+    from megatrain_lightning.planner import format_plan
+
+    return format_plan(plan)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
