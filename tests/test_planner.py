@@ -1,0 +1,106 @@
+"""The planner: its byte arithmetic by hand on a tiny shape, its table from the CLI, and its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain_lightning.errors import ConfigError
+from megatrain_lightning.hardware import HardwareProfile
+from megatrain_lightning.planner import (
+    GB,
+    PROCESS_OVERHEAD_GB,
+    PlanShape,
+    RunSettings,
+    gpu_bytes,
+    gpu_peak,
+    host_bytes,
+    largest_micro_batch,
+    make_plan,
+    pinned_bytes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# 2 blocks of 300 params, 400 resident (embedding 200 + untied head 200), widths small enough to add by hand.
+SHAPE = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
+                  layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
+RUN = RunSettings(micro_batch=2, seq_len=3, accumulate=2, slots=3)
+HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision="bf16-mixed", device_memory_gb=2,
+                     host_memory_gb=10, link_gb_per_s=1, peak_bf16_tflops=1, slots=3, micro_batch=2, seq_len=3,
+                     pinned_budget_gb=1, host_adam_gparams_per_s=1)
+
+
+def test_host_bytes_by_hand() -> None:
+    host = host_bytes(SHAPE, RUN)
+    assert list(host.values()) == [4000, 4000, 8000, 2 * 400 * 4, PROCESS_OVERHEAD_GB * GB]
+    assert host_bytes(SHAPE, dataclasses.replace(RUN, accumulate=1))["grad staging (2 x grad path x 4 B)"] == 0
+    assert pinned_bytes(SHAPE, RUN) == 8000 + 3200  # masters + grads + staging
+
+
+def test_gpu_bytes_by_hand() -> None:
+    gpu = gpu_bytes(SHAPE, RUN)
+    tokens = 2 * 3
+    assert list(gpu.values()) == [
+        3 * 300 * (2 + 4),  # slots: bf16 weights + fp32 staging
+        2 * 400 * 4,  # slabs sized to the resident set, the larger
+        8 * 400,  # resident fp32 copies + fp32 grads
+        2 * 200,  # bf16 autocast copy of the head
+        2 * tokens * 8 * 4,  # saved fp32 block inputs
+        tokens * 50 * 12,  # logits: saved log_softmax + nll grad + input grad, fp32
+        tokens * (34 * 8 + 6 * 4 + 12 * 16) + 2 * 300,  # one block's recompute + its bf16 param grads
+    ]
+    assert gpu_peak(gpu) == 5400 + 3200 + 3200 + 400 + 384 + max(3600, 3528)
+    chunked = gpu_bytes(SHAPE, dataclasses.replace(RUN, loss_chunk_tokens=4))
+    assert chunked["transient: loss (logits)"] == 4 * 50 * 12
+
+
+def test_step_time_by_hand_names_the_link() -> None:
+    plan = make_plan(SHAPE, RUN, HW)
+    h2d_fwd, h2d_bwd, d2h = 4000 / 1e9, 2400 / 0.9e9, 4000 / 0.9e9  # bytes / (link x bidirectional)
+    assert plan.times["forward (one micro-batch)"] == pytest.approx(h2d_fwd)
+    assert plan.times["backward (one micro-batch)"] == pytest.approx(d2h)
+    # one micro-batch, then the last: forward + max(backward, block AdamW) + resident AdamW
+    assert plan.step_s == pytest.approx((h2d_fwd + d2h) + h2d_fwd + max(d2h, 600 / 1e9) + 400 / 1e9)
+    assert plan.bottleneck == "host->device"
+    assert plan.times["host->device copies"] == pytest.approx(2 * (h2d_fwd + h2d_bwd))
+
+
+def test_largest_micro_batch_is_the_boundary() -> None:
+    available = 1e6
+    mb = largest_micro_batch(SHAPE, RUN, available)
+    assert gpu_peak(gpu_bytes(SHAPE, dataclasses.replace(RUN, micro_batch=mb))) <= available
+    assert gpu_peak(gpu_bytes(SHAPE, dataclasses.replace(RUN, micro_batch=mb + 1))) > available
+
+
+def test_refuses_short_device_memory_with_the_fix() -> None:
+    small = dataclasses.replace(HW, device_memory_gb=1.0 + 20e-6)  # 1 GB is the CUDA context: 20 KB left
+    with pytest.raises(ConfigError) as err:
+        make_plan(SHAPE, dataclasses.replace(RUN, micro_batch=64), small, model="toy")
+    msg = str(err.value)
+    assert "device memory" in msg and "data.batch_size=" in msg and "data.seq_len=" in msg and "\n" not in msg
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_table_for_7b_on_h200() -> None:
+    out = _plan_cli("model=qwen2_5_7b", "hardware=h200")
+    assert out.returncode == 0, out.stderr
+    for line in ("7.616 B params", "fp32 master (4 B/param)", "AdamW moments (8 B/param)", "weight slots",
+                 "saved block inputs", "bottleneck:", "largest micro-batch at seq 2048"):
+        assert line in out.stdout
+
+
+def test_cli_refuses_a_model_too_large_for_the_host() -> None:
+    out = _plan_cli("model=qwen2_5_72b", "hardware=rtx3090")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert "model=qwen2_5_72b" in out.stderr and "hardware=rtx3090 has 256 GB" in out.stderr
+    assert "host memory" in out.stderr
