@@ -194,6 +194,11 @@ def gpu_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
     }
 
 
+def _lasting_weights(items: dict[str, float]) -> float:
+    """Device bytes that do not depend on the micro-batch shape."""
+    return sum(v for k, v in items.items() if not k.startswith(("transient", "saved")))
+
+
 def gpu_peak(items: dict[str, float]) -> float:
     """Lasting items plus the larger transient: the loss is freed before the first block's backward."""
     lasting = sum(v for k, v in items.items() if not k.startswith("transient"))
@@ -308,8 +313,8 @@ def make_plan(shape: PlanShape, run: RunSettings, hw: HardwareProfile, model: st
                 f"use at most data.batch_size={max_mb} at this seq_len, or data.seq_len={max_seq} at this micro-batch "
                 f"(and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"
                 if max_mb or max_seq
-                else f"even one row does not fit ({(gpu_total - gpu['saved block inputs (fp32)']) / GB:.1f} GB are "
-                f"weights, slots and slabs): choose a device with more memory or fewer strategy.slots"
+                else f"even one row does not fit ({_lasting_weights(gpu) / GB:.1f} GB are weight slots, gradient slabs "
+                f"and resident parameters): choose a device with more memory or fewer strategy.slots"
             )
         )
     times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
