@@ -1,6 +1,5 @@
+# python recipes/planner_vs_measured.py
 """Planner predictions against the measured H200 runs (recipes/results/2026-11-30-h200-throughput.md).
-
-    python recipes/planner_vs_measured.py
 
 Prints a markdown table: predicted vs measured step time, peak GPU memory (reserved) and peak host RSS,
 with the % error. Measured numbers are copied from the results file; nothing here is fitted to them.
