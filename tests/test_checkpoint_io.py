@@ -230,6 +230,22 @@ def test_trainer_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     tensors_equal(full.state, resumed.state, "resumed vs uninterrupted state_dict")
 
 
+def test_top_k_last_and_link(tmp_path: Path) -> None:
+    """ModelCheckpoint's bookkeeping works with directories: save_top_k removes the older ones,
+    save_last writes `last.ckpt` (a copy, then a symbolic link), and `ckpt_path="last"` resumes."""
+    factory = partial(TinyLlama, n_train=12, batch_size=4)
+    kw: dict[str, Any] = dict(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, monitor="step", mode="max")
+    fit(factory, "megatrain", max_steps=3, callbacks=[ModelCheckpoint(save_last=True, **kw)], enable_checkpointing=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert (tmp_path / "last.ckpt").is_dir() and not (tmp_path / "last.ckpt").is_symlink()
+    run = fit(factory, "megatrain", max_steps=5, callbacks=[ModelCheckpoint(save_last="link", **kw)],
+              enable_checkpointing=True, ckpt_path="last")
+    assert run.trainer.global_step == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=5.ckpt", "last.ckpt"]
+    assert (tmp_path / "last.ckpt").is_symlink()
+    assert ShardedCheckpointIO().load_checkpoint(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
 def test_explicit_checkpoint_io(tmp_path: Path) -> None:
     """`MegaTrainStrategy(checkpoint_io=ShardedCheckpointIO(...))` is used, and `trainer.save_checkpoint` writes through it."""
     factory = partial(TinyLlama, n_train=4, batch_size=4)
