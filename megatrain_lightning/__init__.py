@@ -6,6 +6,8 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .checkpoint_io import ShardedCheckpointIO
+from .export import export_hf
 from .optim import HostAdamW
 from .precision import MegaTrainPrecision
 from .strategy import MegaTrainStrategy
@@ -13,5 +15,5 @@ from .strategy import MegaTrainStrategy
 if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaTrainStrategy", "MegaTrainPrecision", "HostAdamW"]
+__all__ = ["MegaTrainStrategy", "MegaTrainPrecision", "HostAdamW", "ShardedCheckpointIO", "export_hf"]
 __version__ = "0.1.0"
