@@ -25,11 +25,10 @@ restore needs it); a plain single-file Lightning `.ckpt` still loads with `torch
 
 from __future__ import annotations
 
+
 import copy
-import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from safetensors import safe_open
 from typing_extensions import override
+
+from .atomic_dir import fsync_tree, replace
 
 META_NAME = "meta.pt"
 SHARD_NAME = "shard-{:05d}.safetensors"
@@ -86,8 +87,8 @@ class ShardedCheckpointIO(CheckpointIO):
             skeleton = writer.replace_tensors(checkpoint)
             writer.flush()
             torch.save({"format_version": _FORMAT_VERSION, "checkpoint": skeleton}, tmp / META_NAME)
-            _fsync_tree(tmp)
-            _replace(tmp, out)
+            fsync_tree(tmp)
+            replace(tmp, out)
         except BaseException:  # KeyboardInterrupt too: the previous checkpoint must survive any interruption
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -264,45 +265,3 @@ def _local_path(path: _PATH) -> Path:
             "checkpoint_io=TorchCheckpointIO() (which holds the whole checkpoint in memory while saving)"
         )
     return Path(path).expanduser().absolute()
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush the files and the directory entry before the rename publishes them (so a power loss cannot
-    leave a renamed but empty checkpoint); costs waiting for the disk to catch up."""
-    for p in directory.iterdir():
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace(new: Path, out: Path) -> None:
-    """Rename `new` to `out`. An existing `out` (directory, file or link) is moved aside first and deleted
-    after (POSIX has no portable atomic swap of two directories): if the process dies between the two
-    renames, the previous checkpoint is in the `.NAME.old-*` sibling."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    _fsync_dir(out.parent)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()

@@ -19,6 +19,7 @@ the previous export as it was (a hard kill can leave a `.NAME.tmp-*` sibling, wh
 
 from __future__ import annotations
 
+
 import copy
 import json
 import logging
@@ -26,7 +27,6 @@ import os
 import re
 import shutil
 import tempfile
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -36,6 +36,7 @@ import safetensors.torch
 import torch
 from transformers import PreTrainedModel
 
+from megatrain_lightning.atomic_dir import fsync_tree, replace
 from megatrain_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,8 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         total_size = _write_weights(model, state, tmp, max_shard_bytes, dtype)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out)
+        fsync_tree(tmp)
+        replace(tmp, out)
     except BaseException:  # KeyboardInterrupt too: the previous export must survive any interruption
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -283,43 +284,3 @@ def _check_out_dir(out_dir: str | os.PathLike[str]) -> Path:
                 raise ExportError(f"out_dir={out}: {parent} is a file, not a directory")
             break
     return out
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush the files and the directory entry to disk before the rename publishes them (so a power
-    loss cannot leave a renamed but empty export); costs waiting for the disk to catch up."""
-    for path in directory.iterdir():
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Rename `new` to `out`. An existing `out` is moved aside first and deleted after (POSIX has no
-    portable atomic swap of two directories): if the process dies between the two renames, the
-    previous export is in the `.NAME.old-*` sibling."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
