@@ -260,27 +260,26 @@ def _fits(shape: PlanShape, run: RunSettings, available: float) -> bool:
     return gpu_peak(gpu_bytes(shape, run)) <= available
 
 
-def largest_micro_batch(shape: PlanShape, run: RunSettings, available: float, limit: int = 1 << 14) -> int:
-    """Largest micro-batch at `run.seq_len` whose device peak fits (0: not even one row)."""
-    lo, hi = 0, limit  # memory grows with the micro-batch: bisect
+def _largest(shape: PlanShape, run: RunSettings, available: float, field: str, limit: int) -> int:
+    """Largest value of `field` (micro_batch or seq_len) whose device peak fits: memory grows with it, so bisect."""
+    lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits(shape, dataclasses.replace(run, micro_batch=mid), available):
+        if _fits(shape, dataclasses.replace(run, **{field: mid}), available):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
+def largest_micro_batch(shape: PlanShape, run: RunSettings, available: float, limit: int = 1 << 14) -> int:
+    """Largest micro-batch at `run.seq_len` whose device peak fits (0: not even one row)."""
+    return _largest(shape, run, available, "micro_batch", limit)
+
+
 def largest_seq_len(shape: PlanShape, run: RunSettings, available: float, limit: int = 1 << 22) -> int:
     """Largest sequence length at `run.micro_batch` that fits, rounded down to a multiple of 128."""
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits(shape, dataclasses.replace(run, seq_len=mid), available):
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = _largest(shape, run, available, "seq_len", limit)
     return lo // 128 * 128 if lo >= 128 else lo
 
 

@@ -116,9 +116,3 @@ class FlatStore:
             self.exp_avg_sq = torch.zeros(self.layout.numel)
         assert self.exp_avg_sq is not None
         return self.exp_avg, self.exp_avg_sq
-
-    def index_of(self, param: nn.Parameter) -> int:
-        for i, p in enumerate(self.layout.params):
-            if p is param:
-                return i
-        raise KeyError("parameter is not in this store")
