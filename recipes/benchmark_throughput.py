@@ -9,7 +9,9 @@ measured 803 TFLOPS bf16 matmul rate of an H200, peak GPU memory (reserved) and 
 Results are appended to ``--out`` as CSV and Markdown with the columns of issue 4.
 
 Strategies: ``megatrain`` (host store, streamed blocks, host AdamW), ``single_device`` (everything on
-the GPU, Hugging Face per-layer gradient checkpointing, fused AdamW).
+the GPU, Hugging Face per-layer gradient checkpointing, fused AdamW), ``deepspeed_zero3_offload``
+(Lightning's DeepSpeedStrategy, stage 3, parameters and optimizer offloaded to the host,
+DeepSpeedCPUAdam, per-layer checkpointing; needs deepspeed installed, see shared/GPU.md).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _one_run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    target = "cpu" if args.strategy == "megatrain" else "cuda"
+    target = "cuda" if args.strategy == "single_device" else "cpu"
     model = model.to_empty(device=target)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device=target)  # its buffers, rebuilt
     with torch.no_grad():  # cheap random init: drawn on the GPU, copied where the model lives
@@ -63,7 +65,7 @@ def _one_run(args: argparse.Namespace) -> dict:
                 p.fill_(1.0 if "norm" in name else 0.0)
             else:
                 p.copy_(torch.randn(p.shape, device="cuda").mul_(0.02))
-    if args.strategy == "single_device":
+    if args.strategy != "megatrain":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     steps_t: list[float] = []
@@ -77,6 +79,10 @@ def _one_run(args: argparse.Namespace) -> dict:
             return self.model(input_ids=batch, labels=batch).loss
 
         def configure_optimizers(self):
+            if args.strategy == "deepspeed_zero3_offload":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, weight_decay=0.1, adamw_mode=True)
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.1, fused=True)
 
     class Timer(L.Callback):
@@ -98,16 +104,23 @@ def _one_run(args: argparse.Namespace) -> dict:
     loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch)
     if args.host_threads:
         torch.set_num_threads(args.host_threads)
-    strategy = (
-        megatrain_lightning.MegaTrainStrategy(slots=args.slots, overlap_optimizer=not args.no_overlap)
-        if args.strategy == "megatrain"
-        else "auto"
-    )
+    if args.strategy == "megatrain":
+        strategy = megatrain_lightning.MegaTrainStrategy(
+            slots=args.slots, overlap_optimizer=not args.no_overlap, keep_activations=args.keep,
+            cache_weights=args.cache, offload_inputs=args.offload_inputs)
+    elif args.strategy == "deepspeed_zero3_offload":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+    else:
+        strategy = "auto"
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, accumulate_grad_batches=args.accumulate, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
     torch.cuda.reset_peak_memory_stats()
+    if args.sync_debug:
+        _sync_debug(torch, trainer)
     trainer.fit(Bench(), loader)
     step_s = sum(steps_t[args.warmup:]) / len(steps_t[args.warmup:])
     n_total = sum(p.numel() for p in model.parameters())
@@ -122,8 +135,54 @@ def _one_run(args: argparse.Namespace) -> dict:
     return dict(params_b=round(n_total / 1e9, 3), step_s=round(step_s, 4), tokens_per_s=round(tokens / step_s),
                 model_tflops=round(tflops, 1), mfu=round(tflops / H200_BF16_TFLOPS, 3),
                 peak_gpu_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                peak_gpu_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                 step_times=[round(t, 4) for t in steps_t])
+
+
+def _sync_debug(torch, trainer) -> None:
+    """Count host-device synchronisations made from the package's own code inside the timed steps.
+
+    torch.cuda.set_sync_debug_mode("warn") makes every synchronising CUDA call warn from the Python
+    line that made it; the documented sync point (the gradient drain at the end of the backward) is
+    listed apart. Printed as ``sync-debug`` lines at the end of the run.
+    """
+    import atexit
+    import collections
+    import warnings
+
+    import lightning as L
+
+    hits: collections.Counter = collections.Counter()
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message) or "sync" in str(message).lower():
+            where = "megatrain_lightning" if "megatrain_lightning" in filename else "other"
+            hits[(where, f"{Path(filename).name}:{lineno}")] += 1
+            return
+        original(message, category, filename, lineno, file, line)
+
+    class Mode(L.Callback):
+        def on_train_batch_start(self, *a) -> None:
+            if a[-1] >= args_warmup:
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, *a) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    args_warmup = 1
+    warnings.simplefilter("always")
+    warnings.showwarning = show
+    trainer.callbacks.append(Mode())
+
+    def report() -> None:
+        for (where, site), n in sorted(hits.items()):
+            print(f"sync-debug {where} {site}: {n}", file=sys.stderr, flush=True)
+        print(f"sync-debug total from megatrain_lightning: {sum(n for (w, _), n in hits.items() if w == 'megatrain_lightning')}",
+              file=sys.stderr, flush=True)
+
+    atexit.register(report)
 
 
 def _breakdown(torch):
@@ -188,6 +247,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--no-overlap", action="store_true", help="megatrain: host step after the backward")
+    ap.add_argument("--keep", type=int, default=0, help="megatrain: keep_activations (blocks not recomputed)")
+    ap.add_argument("--cache", type=int, default=0, help="megatrain: cache_weights (blocks whose weights stay)")
+    ap.add_argument("--offload-inputs", action="store_true", help="megatrain: saved block inputs in host memory")
+    ap.add_argument("--sync-debug", action="store_true", help="count synchronising CUDA calls per source line")
     ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--breakdown", action="store_true", help="megatrain: print per-step phase times")
     ap.add_argument("--timeout", type=int, default=540)
@@ -198,8 +261,11 @@ def main() -> None:
         return
     rows = []
     for strategy in args.strategies:
-        label = strategy + ("-no-overlap" if args.no_overlap and strategy == "megatrain" else "") + (
-            f"-{args.host_threads}threads" if args.host_threads else "")
+        label = strategy
+        if strategy == "megatrain":
+            label += ("-no-overlap" if args.no_overlap else "") + (f"-keep{args.keep}" if args.keep else "") + (
+                f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "")
+        label += f"-{args.host_threads}threads" if args.host_threads else ""
         cmd = [sys.executable, __file__, "--strategy", strategy] + [
             a for a in sys.argv[1:] if a != "--strategies" and a not in args.strategies
         ]
@@ -211,7 +277,8 @@ def main() -> None:
         if proc.returncode == 0:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{label}: step times {result.pop('step_times')} ({time.time() - t0:.0f} s with setup)")
-            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith("breakdown")))
+            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith(("breakdown", "sync-debug"))))
+            print(f"peak GPU allocated {result.get('peak_gpu_alloc_gib')} GiB")
             row.update(result, status="ok")
         else:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]

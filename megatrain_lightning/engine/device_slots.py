@@ -7,7 +7,8 @@ slot: the module object itself runs, so every per-layer attribute it owns (its `
 ``sliding_window``, attention sinks) is its own, never another layer's. Binding swaps entries of each
 submodule's ``_parameters`` dict for the duration of one call and restores the host Parameters after.
 
-Memory per slot: ``max_block_numel`` x (compute dtype bytes + 4 if a staging buffer is needed).
+Memory: ``depth`` x ``max_block_numel`` x compute-dtype bytes for the rotating slots, each cached block's
+own size for its fixed slot, and one fp32 staging buffer of ``max_block_numel`` when casting on device.
 """
 
 from __future__ import annotations
@@ -61,9 +62,26 @@ class BlockBinding:
 
 
 class DeviceSlots:
-    """``depth`` reusable flat weight buffers on the device (and fp32 staging when casting on device)."""
+    """Device weight buffers: ``depth`` rotating slots, plus one fixed slot per cached block.
 
-    def __init__(self, depth: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    Rotating slots are shared by the streamed blocks in turn. A cached block owns its fixed slot for the
+    engine's lifetime; the slot is filled once per optimizer step (the first time the block runs after
+    :meth:`invalidate`) and read by every later forward, recompute and kept-activation backward.
+
+    When the compute dtype is narrower than fp32 the fp32 masters land in one fp32 ``staging`` buffer
+    and are cast on the device. One buffer is enough: every use of it (host→device copy, then the cast
+    into a slot) is queued on the one host→device stream, so stream order keeps it from being
+    overwritten before the cast has read it.
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fixed: Sequence[tuple[int, int]] = (),
+    ) -> None:
         if depth < 2:
             raise ValueError(f"slots={depth}: at least 2 device slots are needed to overlap copy and compute")
         self.depth = depth
@@ -71,16 +89,25 @@ class DeviceSlots:
         self.dtype = dtype
         self.device = device
         self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(depth)]
+        # Fixed slots: (block, numel) -> a buffer of exactly that block's size.
+        self.fixed: dict[int, int] = {}
+        for block, n in fixed:
+            self.fixed[block] = len(self.buffers)
+            self.buffers.append(torch.empty(n, dtype=dtype, device=device))
         needs_staging = dtype != torch.float32
-        self.staging = [torch.empty(numel, device=device) for _ in range(depth)] if needs_staging else None
-        self.block_in_slot: list[int | None] = [None] * depth
+        self.staging = torch.empty(numel, device=device) if needs_staging else None
+        self.block_in_slot: list[int | None] = [None] * len(self.buffers)
 
     def invalidate(self) -> None:
         """Forget what each slot holds (after the masters changed)."""
-        self.block_in_slot = [None] * self.depth
+        self.block_in_slot = [None] * len(self.buffers)
 
     def slot_of(self, block: int) -> int | None:
-        for s, b in enumerate(self.block_in_slot):
-            if b == block:
+        """The slot that holds ``block``'s current weights, or None."""
+        s = self.fixed.get(block)
+        if s is not None:
+            return s if self.block_in_slot[s] == block else None
+        for s in range(self.depth):
+            if self.block_in_slot[s] == block:
                 return s
         return None

@@ -1,10 +1,15 @@
 """The autograd Function that runs one streamed block: forward keeps only its inputs, backward recomputes.
 
 Forward runs the block under ``no_grad`` with its weights bound to a device slot, so no activation
-inside the block outlives the call; only the block's tensor inputs are saved. Backward re-streams the
-weights, restores the RNG and autocast state of the forward (dropout masks match bit for bit), reruns
-the block with grad enabled, and takes the gradients of its inputs and its parameters in one
-``autograd.grad`` call; the parameter gradients go to the engine, which ships them to the host.
+inside the block outlives the call; only the block's tensor inputs are saved (on the device, or in
+host memory when the engine offloads them). Backward re-streams the weights, restores the RNG and
+autocast state of the forward (dropout masks match bit for bit), reruns the block with grad enabled,
+and takes the gradients of its inputs and its parameters in one ``autograd.grad`` call; the parameter
+gradients go to the engine, which ships them to the host.
+
+A block the engine *keeps* runs its forward with grad enabled instead, on weights that stay in a fixed
+device slot; its inner graph (its activations) lives in ``ctx`` until the backward, which then needs
+neither a recompute nor a second weight copy.
 
 The Function is handed the engine as a non-tensor argument (``runner``); it knows nothing of streams.
 """
@@ -31,6 +36,12 @@ class BlockRunner(Protocol):
     def run_forward(self, block: int, args: tuple, kwargs: dict) -> Any: ...
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
+
+    def keeps(self, block: int) -> bool: ...
+
+    def stash(self, tensors: Sequence[torch.Tensor]) -> Any: ...
+
+    def unstash(self, stash: Any) -> list[torch.Tensor]: ...
 
 
 class _RecomputeState:
@@ -85,33 +96,58 @@ class StreamedBlock(torch.autograd.Function):
         ctx.runner = runner
         ctx.block = block
         ctx.spec = spec
-        ctx.recompute = _RecomputeState(runner.device)
         ctx.set_materialize_grads(False)
-        args, kwargs = spec.rebuild(tensors)
-        out = runner.run_forward(block, args, kwargs)
+        ctx.kept = None
+        ctx.stash = None
+        if runner.keeps(block):
+            # Kept activations: build the block's own graph now, on weights in its fixed slot.
+            inputs = _leaf_inputs(tensors)
+            weights = runner.acquire(block)
+            leaves = _leaf_weights(weights, runner.requires_grad_flags(block))
+            with torch.enable_grad():
+                args, kwargs = spec.rebuild(inputs)
+                out = runner.run_forward(block, args, kwargs, weights=leaves)
+            runner.release(block)
+        else:
+            ctx.recompute = _RecomputeState(runner.device)
+            args, kwargs = spec.rebuild(tensors)
+            out = runner.run_forward(block, args, kwargs)
         flat_out, out_spec = pytree.tree_flatten(out)
         ctx.out_tensor_idx = [i for i, o in enumerate(flat_out) if isinstance(o, torch.Tensor)]
         spec.set_output(flat_out, out_spec, ctx.out_tensor_idx)
         outs = tuple(flat_out[i] for i in ctx.out_tensor_idx)
+        if runner.keeps(block):
+            ctx.kept = (list(outs), inputs, leaves)  # the graph's lifetime: until this block's backward
+            outs = tuple(o.detach() for o in outs)
+        else:
+            stash = runner.stash(tensors)
+            if stash.host:
+                ctx.stash = stash  # the residual stream went to host memory
+            else:
+                ctx.save_for_backward(*tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        ctx.save_for_backward(*tensors)
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> Any:
         runner: BlockRunner = ctx.runner
-        saved = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in saved]
-        diff_inputs = [t for t in inputs if t.requires_grad]
-        weights = runner.acquire(ctx.block)
         flags = runner.requires_grad_flags(ctx.block)
-        leaves = [w.detach().requires_grad_(f) for w, f in zip(weights, flags)]
+        if ctx.kept is not None:
+            outs, inputs, leaves = ctx.kept
+            ctx.kept = None
+        else:
+            saved = runner.unstash(ctx.stash) if ctx.stash is not None else ctx.saved_tensors
+            ctx.stash = None
+            inputs = _leaf_inputs(saved)
+            weights = runner.acquire(ctx.block)
+            leaves = _leaf_weights(weights, flags)
+            with torch.enable_grad(), ctx.recompute.replay():
+                args, kwargs = ctx.spec.rebuild(inputs)
+                out = runner.run_forward(ctx.block, args, kwargs, weights=leaves)
+            flat_out = pytree.tree_leaves(out)
+            outs = [flat_out[i] for i in ctx.out_tensor_idx]
+        diff_inputs = [t for t in inputs if t.requires_grad]
         grad_leaves = [w for w in leaves if w.requires_grad]
-        with torch.enable_grad(), ctx.recompute.replay():
-            args, kwargs = ctx.spec.rebuild(inputs)
-            out = runner.run_forward(ctx.block, args, kwargs, weights=leaves)
-        flat_out = pytree.tree_leaves(out)
-        outs = [flat_out[i] for i in ctx.out_tensor_idx]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         targets = diff_inputs + grad_leaves
         if pairs and targets:
@@ -120,7 +156,7 @@ class StreamedBlock(torch.autograd.Function):
             )
         else:
             grads = (None,) * len(targets)
-        # Slot lifetime: the recompute's kernels are queued; the slot is free once they have run.
+        # Slot lifetime: the backward's kernels are queued; the slot is free once they have run.
         runner.release(ctx.block)
         it = iter(grads[len(diff_inputs) :])
         param_grads = [next(it) if f else None for f in flags]
@@ -128,6 +164,14 @@ class StreamedBlock(torch.autograd.Function):
         in_it = iter(grads[: len(diff_inputs)])
         input_grads = [next(in_it) if t.requires_grad else None for t in inputs]
         return (None, None, None, None, *input_grads)
+
+
+def _leaf_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in tensors]
+
+
+def _leaf_weights(weights: Sequence[torch.Tensor], flags: Sequence[bool]) -> list[torch.Tensor]:
+    return [w.detach().requires_grad_(f) for w, f in zip(weights, flags)]
 
 
 class CallSpec:

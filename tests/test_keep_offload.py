@@ -1,0 +1,117 @@
+"""Kept activations, cached weights and offloaded block inputs: the options that trade device memory
+for speed (``keep_activations``, ``cache_weights``) and link bytes for device memory (``offload_inputs``).
+
+Each must leave training exactly as native (same CPU fp32 parity bar as test_parity.py), and each must
+really change what moves: kept blocks are not recomputed and get one weight copy per micro-batch, cached
+blocks one per optimizer step, offloaded inputs leave the device between forward and backward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import megatrain, run_parity
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.engine import RESIDENT, StreamingEngine
+from test_streaming import BlockNet, CountingProbe, _loader, _trainer
+from zoo import ZOO
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread() -> Any:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+OPTIONS = {
+    "keep2": dict(keep_activations=2),
+    "keep-all": dict(keep_activations=99),  # more than the blocks: every block kept
+    "cache3-keep1": dict(cache_weights=3, keep_activations=1, slots=3),
+    "offload": dict(offload_inputs=True),
+    "offload-keep1-cache2": dict(offload_inputs=True, keep_activations=1, cache_weights=2),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_parity_llama_adamw(option: str) -> None:
+    run_parity(partial(ZOO["llama"], optimizer="adamw", lr=3e-3, scheduler=True), megatrain(**OPTIONS[option]), max_steps=6)
+
+
+@pytest.mark.parametrize("option", ["keep2", "offload-keep1-cache2"])
+def test_parity_dropout_and_two_block_lists(option: str) -> None:
+    """Dropout masks (encoder) and a second differentiable input per block (nn.Transformer's memory)."""
+    for name in ("encoder", "transformer"):
+        run_parity(partial(ZOO[name], optimizer="sgd", lr=0.05, momentum=0.9, scheduler=True), megatrain(**OPTIONS[option]), max_steps=5)
+
+
+@pytest.mark.slow
+def test_parity_cached_weights_across_accumulation_and_clipping() -> None:
+    """Cached weights must be reloaded after every optimizer step, never within a window."""
+    factory = partial(ZOO["llama"], optimizer="sgd", lr=0.5, scheduler=True)
+    run_parity(factory, megatrain(cache_weights=3, keep_activations=1), max_steps=4, accumulate_grad_batches=2,
+               gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def test_kept_blocks_are_not_recomputed_and_cached_blocks_copied_once_per_step() -> None:
+    depth = 5
+    module = BlockNet(depth=depth)
+    probe = CountingProbe()
+    strategy = MegaTrainStrategy(slots=2, keep_activations=2, cache_weights=3)
+    _trainer(strategy, max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, _loader())
+    assert len(probe.rows) == 4
+    for micro, (h2d, reused, d2h) in enumerate(probe.rows):
+        first_of_window = micro % 2 == 0
+        for i in range(depth):
+            uses = h2d.get(i, 0) + reused.get(i, 0)
+            if i >= 3:  # kept (and cached): one use in the forward, none in the backward
+                assert uses == 1, (i, h2d, reused)
+            else:
+                assert uses == 2, (i, h2d, reused)
+            if i >= 2:  # cached: copied on the window's first micro-batch only
+                assert h2d.get(i, 0) == (1 if first_of_window else 0), (micro, i, h2d)
+            assert d2h[i] == 1
+        assert d2h[RESIDENT] == 1
+
+
+class InspectingNet(BlockNet):
+    """Looks at the engine between its forward and its backward."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=4)
+        self.seen: list[tuple[int, int]] = []
+
+    def training_step(self, batch, _):
+        loss = super().training_step(batch, _)
+        engine = self.trainer.strategy.engine
+        offloaded = sum(1 for s in engine._stashes if s.host and all(t is None for t in (s.tensors[i] for i in s.host)))
+        self.seen.append((len(engine._stashes), offloaded))
+        return loss
+
+
+def test_offloaded_inputs_leave_the_device_between_forward_and_backward() -> None:
+    module = InspectingNet()
+    _trainer(MegaTrainStrategy(offload_inputs=True, keep_activations=1), max_steps=2).fit(module, _loader())
+    # 4 blocks, the last one kept: three saved inputs went to host memory, none is held on the device
+    assert module.seen == [(3, 3), (3, 3)]
+
+
+def test_without_offload_inputs_stay_where_they_are() -> None:
+    module = InspectingNet()
+    _trainer(MegaTrainStrategy(), max_steps=1).fit(module, _loader())
+    assert module.seen == [(0, 0)]
+
+
+def test_counts_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="keep_activations"):
+        MegaTrainStrategy(keep_activations=-1)
+    blocks = [torch.nn.Linear(2, 2) for _ in range(3)]
+    root = torch.nn.Sequential(*blocks)
+    with pytest.raises(ValueError, match="cache_weights=4"):
+        StreamingEngine(root, blocks, torch.device("cpu"), cache_weights=4)
