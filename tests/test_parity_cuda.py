@@ -311,6 +311,6 @@ def test_cuda_no_hidden_sync_in_a_step() -> None:
     named = sorted({(f.split("megatrain_lightning/")[-1], _enclosing_function(f, n)) for f, n in ours})
     print(f"\n(e) sync debug over 3 bf16 steps: {len(syncs)} synchronising calls in all, {len(ours)} from the package: {named}")
     armed = [w for w in syncs if w.filename.endswith("test_parity_cuda.py")]
-    assert len(armed) == 3, f"sync debug mode is not armed: {len(armed)} of the 3 known syncs were seen"
+    assert armed, "sync debug mode is not armed: the known sync of this file was not seen"
     hidden = [(f, fn) for f, fn in named if fn not in ALLOWED_SYNC_FUNCTIONS]
     assert not hidden, f"synchronising calls from the package outside its sync points: {hidden}"

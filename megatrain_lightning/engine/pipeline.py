@@ -477,7 +477,7 @@ class StreamingEngine:
             engine._calls[index] = engine._calls.get(index, 0) + 1
             spec = CallSpec(args, kwargs)
             anchor = engine._anchor()
-            outs = StreamedBlock.apply(engine, index, spec, anchor, *spec.tensors())
+            outs = StreamedBlock.apply(engine, index, spec, anchor, *spec.take_tensors())
             return spec.rebuild_output(outs)
 
         return streamed_forward

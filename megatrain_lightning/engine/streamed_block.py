@@ -180,13 +180,20 @@ class CallSpec:
     def __init__(self, args: tuple, kwargs: dict) -> None:
         flat, self.tree = pytree.tree_flatten((args, kwargs))
         self.tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-        self.flat = flat
+        self._tensors: list[torch.Tensor] | None = [flat[i] for i in self.tensor_idx]
+        # The spec lives as long as the graph: it must not hold the input tensors, or an offloaded
+        # input would stay on the device anyway. They go through autograd (``take_tensors``).
+        self.flat = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.out_flat: list[Any] = []
         self.out_tree: Any = None
         self.out_idx: list[int] = []
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.flat[i] for i in self.tensor_idx]
+    def take_tensors(self) -> list[torch.Tensor]:
+        """The call's tensors, handed over once: afterwards the spec holds no reference to them."""
+        tensors, self._tensors = self._tensors, None
+        if tensors is None:
+            raise RuntimeError("CallSpec.take_tensors() called twice")
+        return tensors
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
         flat = list(self.flat)
