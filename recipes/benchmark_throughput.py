@@ -69,6 +69,8 @@ def _one_run(args: argparse.Namespace) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     steps_t: list[float] = []
+    chunk = args.loss_chunk if args.strategy == "megatrain" else 0
+    from torch.utils.checkpoint import checkpoint
 
     class Bench(L.LightningModule):
         def __init__(self) -> None:
@@ -76,7 +78,19 @@ def _one_run(args: argparse.Namespace) -> dict:
             self.model = model
 
         def training_step(self, batch, _):
-            return self.model(input_ids=batch, labels=batch).loss
+            if not chunk:
+                return self.model(input_ids=batch, labels=batch).loss
+            # LM head and cross-entropy in chunks of tokens, each recomputed in the backward: the full
+            # [tokens, vocab] logits (and their fp32 upcast and gradient) never exist at once.
+            hidden = self.model.model(input_ids=batch).last_hidden_state[:, :-1].reshape(-1, cfg.hidden_size)
+            targets = batch[:, 1:].reshape(-1)
+            head = self.model.lm_head
+
+            def part(h, t):
+                return torch.nn.functional.cross_entropy(head(h).float(), t, reduction="sum")
+
+            total = sum(checkpoint(part, h, t, use_reentrant=False) for h, t in zip(hidden.split(chunk), targets.split(chunk)))
+            return total / targets.numel()
 
         def configure_optimizers(self):
             if args.strategy == "deepspeed_zero3_offload":
@@ -250,6 +264,8 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=0, help="megatrain: keep_activations (blocks not recomputed)")
     ap.add_argument("--cache", type=int, default=0, help="megatrain: cache_weights (blocks whose weights stay)")
     ap.add_argument("--offload-inputs", action="store_true", help="megatrain: saved block inputs in host memory")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="megatrain: LM head + loss in chunks of this many tokens (0: Hugging Face's full logits)")
     ap.add_argument("--sync-debug", action="store_true", help="count synchronising CUDA calls per source line")
     ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--breakdown", action="store_true", help="megatrain: print per-step phase times")
@@ -264,7 +280,8 @@ def main() -> None:
         label = strategy
         if strategy == "megatrain":
             label += ("-no-overlap" if args.no_overlap else "") + (f"-keep{args.keep}" if args.keep else "") + (
-                f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "")
+                f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
+                f"-losschunk{args.loss_chunk}" if args.loss_chunk else "")
         label += f"-{args.host_threads}threads" if args.host_threads else ""
         cmd = [sys.executable, __file__, "--strategy", strategy] + [
             a for a in sys.argv[1:] if a != "--strategies" and a not in args.strategies
