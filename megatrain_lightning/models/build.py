@@ -4,17 +4,26 @@ A random-init model is first built on the meta device (shapes only, no memory), 
 parameters are counted before anything is allocated; `materialize` then gives it storage once, on
 its final device, and runs Hugging Face's own initialisation (including the rotary `inv_freq`
 buffers that `to_empty` leaves as garbage, and re-tying the embedding to the LM head).
+
+A pretrained model under MegaTrainStrategy is built on the meta device as well, with its checkpoint
+attached as a weights source (`safetensors_source.py`): the strategy reads each block from the files
+as it materialises it into the host store.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning.errors import ConfigError
+from megatrain_lightning.init import attach_weights_source
+from megatrain_lightning.models.safetensors_source import SafetensorsSource, lazy_load_refusal
+
+log = logging.getLogger(__name__)
 
 
 def hf_config(config: dict[str, Any]) -> PretrainedConfig:
@@ -53,11 +62,33 @@ def materialize(model: PreTrainedModel, device: torch.device) -> PreTrainedModel
 
 
 def load_pretrained(path: str, attn_implementation: str | None = None) -> PreTrainedModel:
-    """Weights from a local checkpoint, in fp32 (the master copy; mixed precision casts per op)."""
-    pretrained_config(path)  # the clear error for a wrong path, before transformers' own
-    # Under a meta init context (MegaTrainStrategy's configure_model) real weights load on the host;
-    # the strategy then moves them into its store block by block.
+    """Weights from a local checkpoint, in fp32 (the master copy; mixed precision casts per op).
+
+    Under a meta default device (MegaTrainStrategy's `configure_model`, `meta_init=True`) the model is
+    built on the meta device from the checkpoint's config and its safetensors files are attached as a
+    weights source: the strategy reads each block (bf16/fp16 converted to fp32) just before it becomes
+    part of the host store, so peak host memory is the store plus about one block, and the checkpoint is
+    checked against the model before anything is allocated. Whoever materialises a model built so must
+    fill it through `megatrain_lightning.init.initializer_for`, as MegaTrainStrategy does.
+    A checkpoint that cannot be read so (no safetensors, quantized, or tensors that transformers
+    converts while loading) loads through `from_pretrained` on the host, with a warning: the whole
+    model plus the checkpoint pages it read before the store takes it over (measured 1.3-1.5x the fp32
+    weights). Otherwise `from_pretrained` on the default device.
+    """
+    config = pretrained_config(path)  # the clear error for a wrong path, before transformers' own
     device = torch.get_default_device()
+    if device.type == "meta":
+        model = meta_model(config, attn_implementation)
+        refusal = lazy_load_refusal(path, model)
+        if refusal is None:
+            attach_weights_source(model, SafetensorsSource(path, model))
+            if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
+                model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+            return model
+        log.warning(
+            "model.pretrained=%s is loaded whole through from_pretrained, then moved into the host store "
+            "(peak host memory up to about 1.5x the weights, not the store plus one block): %s", path, refusal,
+        )
     with torch.device("cpu" if device.type == "meta" else device):
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True

@@ -37,6 +37,8 @@ class CausalLM(pl.LightningModule):
         config: transformers config as a dict with `model_type`; random init. Ignored when
             `pretrained` is set.
         pretrained: local Hugging Face checkpoint directory (weights + tokenizer); no downloads.
+            Under MegaTrainStrategy its safetensors are read block by block straight into the host
+            store (peak: the store plus about one block); elsewhere through `from_pretrained`.
         lr: peak AdamW learning rate.
         betas: AdamW moment decay rates.
         weight_decay: AdamW decoupled weight decay, applied to matrices only (not norms/biases).
