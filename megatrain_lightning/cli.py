@@ -25,7 +25,14 @@ from omegaconf.errors import MissingMandatoryValue
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile
-from megatrain_lightning.plan import GB, check_fits, device_state_warning, estimate_host_bytes, pin_memory_fits
+from megatrain_lightning.plan import (
+    GB,
+    check_fits,
+    device_state_warning,
+    estimate_host_bytes,
+    pin_memory_fits,
+    state_bytes_per_param,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +148,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         model = instantiate(cfg.model)  # meta device only: parameters counted, nothing allocated
         shape = model.model_shape
+        state_bytes = state_bytes_per_param(cfg.strategy.get("host_state"))  # 16, or 12 with host_state=compact
         info = {
             "model": model_name,
             "params": shape.total_params,
             "active_params": shape.active_params,
             "strategy": strategy_name,
             "hardware": hw.name,
-            "host_state_gb": round(estimate_host_bytes(shape.total_params) / GB, 3),
+            "host_state_gb": round(estimate_host_bytes(shape.total_params, state_bytes) / GB, 3),
         }
         _write_json(out_dir / "run_info.json", info)
-        check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name)
+        check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name, state_bytes=state_bytes)
         if hw.accelerator == "cuda" and str(cfg.strategy.get("_target_")).endswith(_DEVICE_RESIDENT):
             warning = device_state_warning(shape.total_params, hw.device_memory_gb, strategy_name)
             if warning:

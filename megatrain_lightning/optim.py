@@ -9,6 +9,12 @@ see: its ``param_groups`` hold the hyperparameters, its ``state`` the per-parame
   range is updated by one fused multi-threaded kernel call.
 * Any other ``torch.optim`` optimizer runs its own ``step()``: the parameters it holds are the module's
   parameters, which are the fp32 host masters, and their ``.grad`` are views of the host accumulators.
+
+With ``host_state="compact"`` stores only the fast path exists (other optimizers are refused). The
+moments are bf16 (``state[p]["exp_avg"]`` and ``["exp_avg_sq"]`` are bf16 views, saved as such), and
+``state[p]["master_low"]`` is an int16 view of the low half of the fp32 master, so that a checkpoint
+resumes exactly: the model's ``state_dict()`` holds the bf16 high half. A plain ``torch.optim.AdamW``
+loads such a state dict too (moments cast to its parameters' dtype, ``master_low`` unused).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .engine.host_adam import AdamHyper, fused_adam_step
+from .engine.host_adam import AdamHyper, CompactSpan, compact_adam_step, fused_adam_step
 from .engine.host_store import FlatStore
 
 
@@ -68,6 +74,8 @@ class _Range:
         self.eas_views: list[torch.Tensor] | None = None
         # (params, grads, exp_avgs, exp_avg_sqs, steps) of a full step, reused while nothing changes
         self.cache: tuple[list[torch.Tensor], ...] | None = None
+        # compact stores: (spans, steps) of a full step, reused likewise
+        self.compact_cache: tuple[list[CompactSpan], list[torch.Tensor]] | None = None
 
 
 class HostOptimizer:
@@ -101,6 +109,15 @@ class HostOptimizer:
                 "Build the optimizer from `self.parameters()` (or subsets of it) in configure_optimizers."
             )
         self.fast = is_fast_adam(optimizer)
+        self.compact = any(s.compact for s in stores)
+        if self.compact and not self.fast:
+            raise ValueError(
+                f"host_state='compact' keeps bf16 Adam moments and steps them with its own kernel, so it "
+                f"supports torch.optim.Adam, torch.optim.AdamW and HostAdamW (without amsgrad) only, not "
+                f"{type(optimizer).__name__}"
+                f"{' with amsgrad (or differentiable/capturable)' if isinstance(optimizer, torch.optim.Adam) else ''}. "
+                "Use MegaTrainStrategy(host_state='fp32') for other optimizers."
+            )
         self._stepped: set[int] = set()  # ids of stores updated early in this step
         self.early_updates = 0  # stores updated during a backward, over the run (for tests and logs)
         # ranges[g]: per store, the layout indices of the params of group g (contiguous by construction).
@@ -113,12 +130,20 @@ class HostOptimizer:
             self.ranges.append([_Range(s, sorted(ix)) for s, ix in per_store.values()])
         if self.fast:
             self.adopt_state()
+        if self.compact:
+            # torch's load_state_dict casts every state tensor to its parameter's dtype (bf16), which
+            # would round the int16 low halves: set them aside before, put them back after.
+            self._held_low: dict[int, torch.Tensor] = {}
+            optimizer.register_load_state_dict_pre_hook(self._hold_low_halves)
+            optimizer.register_load_state_dict_post_hook(self._restore_low_halves)
 
     # ------------------------------------------------------------------ state
     def adopt_state(self) -> None:
         """Move any existing Adam state into the flat buffers and make ``state[p]`` views of them.
 
-        Called at setup and after ``load_state_dict`` (which builds fresh tensors).
+        Called at setup and after ``load_state_dict`` (which builds fresh tensors). Compact stores: a
+        ``master_low`` in the state is the fp32 master's low half (a checkpoint of a compact run); a state
+        without one (an fp32 run's) leaves the weight at its bf16 value (low half zero).
         """
         if not self.fast:
             return
@@ -128,6 +153,8 @@ class HostOptimizer:
                 ea, eas = r.store.moment_buffers()
                 ea_views = r.store.layout.views(ea)
                 eas_views = r.store.layout.views(eas)
+                low = r.store.master_low
+                low_views = r.store.layout.views(low) if low is not None else None
                 for i, p in zip(r.indices, r.params):
                     st = state.get(p)
                     if not st:
@@ -135,6 +162,13 @@ class HostOptimizer:
                     with torch.no_grad():
                         ea_views[i].copy_(st["exp_avg"])
                         eas_views[i].copy_(st["exp_avg_sq"])
+                        if low_views is not None:
+                            held = st.get("master_low")
+                            if held is None:
+                                low_views[i].zero_()
+                            else:
+                                low_views[i].copy_(held)
+                            st["master_low"] = low_views[i]
                     step = st["step"]
                     st["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
                         device="cpu", dtype=torch.float32
@@ -142,6 +176,32 @@ class HostOptimizer:
                     st["exp_avg"] = ea_views[i]
                     st["exp_avg_sq"] = eas_views[i]
                 r.cache = None  # the step tensors were replaced
+                r.compact_cache = None
+
+    def _hold_low_halves(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """load_state_dict pre-hook: take the int16 ``master_low`` tensors out before torch casts them."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        by_id = dict(zip(ids, params))
+        states = {}
+        for key, st in state_dict["state"].items():
+            if isinstance(st, dict) and "master_low" in st:
+                st = dict(st)
+                low = st.pop("master_low")
+                if key in by_id:
+                    self._held_low[id(by_id[key])] = low
+            states[key] = st
+        return {**state_dict, "state": states}
+
+    def _restore_low_halves(self, optimizer: torch.optim.Optimizer) -> None:
+        """load_state_dict post-hook: the held low halves go back, unconverted, and all state moves into the store."""
+        held, self._held_low = self._held_low, {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                low = held.get(id(p))
+                if low is not None and optimizer.state.get(p):
+                    optimizer.state[p]["master_low"] = low
+        self.adopt_state()  # into the store now, whoever called load_state_dict
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -196,6 +256,9 @@ class HostOptimizer:
         )
 
     def _step_range(self, r: _Range, hyper: AdamHyper) -> None:
+        if r.store.compact:
+            self._step_range_compact(r, hyper)
+            return
         store = r.store
         grad_views = store.grad_views if store.grad is not None else None
         # Steady state: every gradient is the store's own view and every state exists -> cached lists.
@@ -212,11 +275,7 @@ class HostOptimizer:
         for i, p in zip(r.indices, r.params):
             if p.grad is None:
                 continue  # as torch: a parameter without a gradient is not updated, not even decayed
-            st = state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = r.ea_views[i]
-                st["exp_avg_sq"] = r.eas_views[i]
+            st = _ensure_state(state[p], r, i)
             ps.append(store.master_views[i])
             gs.append(p.grad)
             eas_l.append(r.ea_views[i])
@@ -227,6 +286,64 @@ class HostOptimizer:
         r.cache = (ps, gs, eas_l, eass_l, steps) if complete and all(
             g is grad_views[i] for g, i in zip(gs, r.indices)
         ) else None
+
+    def _step_range_compact(self, r: _Range, hyper: AdamHyper) -> None:
+        """The compact-state update of one range: one span per run of adjacent parameters whose
+        gradients are the store's own accumulator views and whose step counts agree."""
+        store = r.store
+        ea, eas = store.moment_buffers()
+        grad_views = store.grad_views if store.grad is not None else None
+        if r.compact_cache is not None and grad_views is not None and all(
+            p.grad is grad_views[i] for i, p in zip(r.indices, r.params)
+        ):
+            spans, steps = r.compact_cache
+            torch._foreach_add_(steps, 1)
+            compact_adam_step(store.master, store.master_low, ea, eas, spans, hyper)
+            return
+        state = self.optimizer.state
+        if r.ea_views is None:
+            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        low_views = store.layout.views(store.master_low) if store.master_low is not None else None
+        offsets = store.layout.offsets
+        # (first index, last index, own gradient?, step) per run; a foreign .grad is a run of its own
+        runs: list[list[Any]] = []
+        steps: list[torch.Tensor] = []
+        for i, p in zip(r.indices, r.params):
+            if p.grad is None:
+                continue  # as torch: a parameter without a gradient is not updated, not even decayed
+            st = _ensure_state(state[p], r, i, low_views)
+            steps.append(st["step"])
+            own = grad_views is not None and p.grad is grad_views[i]
+            last = runs[-1] if runs else None
+            if last is not None and own and last[2] and last[1] == i - 1 and float(last[3]) == float(st["step"]):
+                last[1] = i
+            else:
+                runs.append([i, i, own, st["step"]])
+        torch._foreach_add_(steps, 1)
+        spans = []
+        for first, last, own, step in runs:
+            start, end = offsets[first], offsets[last] + r.store.params[last].numel()
+            if own:
+                assert store.grad is not None
+                grad = store.grad[start:end]  # alignment padding in between: zeros, and stays zero
+            else:
+                grad = store.params[first].grad.detach().reshape(-1).to(torch.float32)
+            spans.append(CompactSpan(start, end, grad, step))
+        compact_adam_step(store.master, store.master_low, ea, eas, spans, hyper)
+        complete = len(steps) == len(r.params) and all(run[2] for run in runs)
+        r.compact_cache = (spans, steps) if complete else None
+
+
+def _ensure_state(st: dict[str, Any], r: _Range, i: int, low_views: list[torch.Tensor] | None = None) -> dict[str, Any]:
+    """A parameter's Adam state on its first step: views of the store's moments (and low half)."""
+    if not st:
+        assert r.ea_views is not None and r.eas_views is not None
+        st["step"] = torch.tensor(0.0)
+        st["exp_avg"] = r.ea_views[i]
+        st["exp_avg_sq"] = r.eas_views[i]
+        if low_views is not None:
+            st["master_low"] = low_views[i]
+    return st
 
 
 def chain_zero_grad(owner: Any, callback: Callable[[bool], None]) -> None:

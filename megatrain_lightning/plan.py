@@ -16,6 +16,8 @@ from megatrain_lightning.errors import ConfigError
 GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_avg + exp_avg_sq
+# strategy.host_state=compact: the fp32 master as bf16 + int16 halves (4), fp32 gradient (4), bf16 moments (4)
+COMPACT_STATE_BYTES_PER_PARAM = 12
 TRANSFER_BYTES_PER_PARAM = 0  # no host transfer copy: fp32 masters are copied, the device casts
 # Measured (recipes/results/2026-11-30-h200-throughput.md): Qwen2.5-7B shape, 7.616 B params, peak host
 # RSS 123.2 GiB = 132 GB against 16 B/param = 122 GB of state: the rest is the process and staging.
@@ -31,18 +33,30 @@ def estimate_host_bytes(
     return num_params * (state_bytes_per_param + transfer_bytes_per_param)
 
 
-def check_fits(num_params: int, host_memory_gb: float, model: str = "the model", hardware: str = "this hardware") -> int:
+def state_bytes_per_param(host_state: str | None) -> int:
+    """Host bytes per parameter of training state for a strategy's ``host_state`` (None: not MegaTrain's)."""
+    return COMPACT_STATE_BYTES_PER_PARAM if host_state == "compact" else STATE_BYTES_PER_PARAM
+
+
+def check_fits(
+    num_params: int,
+    host_memory_gb: float,
+    model: str = "the model",
+    hardware: str = "this hardware",
+    state_bytes: int = STATE_BYTES_PER_PARAM,
+) -> int:
     """Raise ConfigError, with the numbers and what to change, when the state cannot fit host memory.
 
     Returns the estimate in bytes when it fits.
     """
-    need = estimate_host_bytes(num_params)
+    need = estimate_host_bytes(num_params, state_bytes)
     have = host_memory_gb * GB
     if need > have:
+        what = ("fp32 master, gradient and 2 AdamW moments" if state_bytes == STATE_BYTES_PER_PARAM
+                else "compact master, fp32 gradient and 2 bf16 AdamW moments")
         raise ConfigError(
             f"model={model} has {_count(num_params)} parameters, whose training state needs "
-            f"{_gb(need / GB)} GB of host memory ({STATE_BYTES_PER_PARAM} B/param: fp32 master, gradient and "
-            f"2 AdamW moments), but hardware={hardware} "
+            f"{_gb(need / GB)} GB of host memory ({state_bytes} B/param: {what}), but hardware={hardware} "
             f"has {_gb(host_memory_gb)} GB: choose a smaller model, a hardware profile with more host memory, "
             f"or set hardware.host_memory_gb if the profile is wrong for this machine"
         )
@@ -132,6 +146,10 @@ def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan 
         slots=int(cfg.strategy.get("slots") or hw.slots),
         loss_chunk_tokens=m.get("loss_chunk_tokens"),
         bf16=str(hw.precision).startswith("bf16"),
+        compact_state=cfg.strategy.get("host_state") == "compact",
+        keep_activations=int(cfg.strategy.get("keep_activations") or 0),
+        cache_weights=int(cfg.strategy.get("cache_weights") or 0),
+        offload_inputs=bool(cfg.strategy.get("offload_inputs") or False),
     )
     return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
 

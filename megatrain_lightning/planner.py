@@ -8,13 +8,17 @@ and device memory. Nothing is fitted to measured runs (recipes/results/2026-11-3
 compares). The byte counts follow what the engine allocates:
 
 * host (engine/host_store.py): fp32 master 4 B, fp32 gradient accumulator 4 B, AdamW moments 8 B per
-  parameter; masters and gradients pinned; two pinned staging buffers of the gradient path's size when
-  gradients accumulate (engine/pipeline.py `_GradPath`); plus the process itself.
-* device: `slots` weight slots (bf16 + an fp32 staging buffer each, engine/device_slots.py), two fp32
-  gradient slabs, the resident parameters (embeddings, final norm, head) as fp32 copies with fp32
-  gradients, every block's saved input (fp32: the residual stream stays fp32 under bf16 autocast), and
-  the larger of two transients that never coexist: the loss (logits) at the end of the forward, and one
-  block's recompute + backward working set during the backward.
+  parameter (with `host_state="compact"`: the master as bf16 + int16 halves 4 B, bf16 moments 4 B, the
+  gradient 4 B); masters and gradients pinned (compact: the bf16 half, which is what is copied); two
+  pinned staging buffers of the gradient path's size when gradients accumulate (engine/pipeline.py
+  `_GradPath`); plus the process itself.
+* device: `slots` rotating weight slots plus one fixed slot per cached block (`cache_weights`), one fp32
+  staging buffer when fp32 masters are cast on the device (engine/device_slots.py), two fp32 gradient
+  slabs, the resident parameters (embeddings, final norm, head) as fp32 copies with fp32 gradients, the
+  activations of the kept blocks (`keep_activations`), the saved input of every other block (fp32: the
+  residual stream stays fp32 under bf16 autocast; two in flight with `offload_inputs`), and the larger
+  of two transients that never coexist: the loss (logits) at the end of the forward, and one block's
+  recompute + backward working set during the backward.
 
 Step time is the overlap condition: each phase takes as long as its slowest resource (device compute,
 host→device copies, device→host copies), and the host AdamW runs beside the last backward.
@@ -23,6 +27,7 @@ host→device copies, device→host copies), and the host AdamW runs beside the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatrain_lightning.errors import ConfigError
@@ -110,6 +115,10 @@ class RunSettings:
     slots: int = 2
     loss_chunk_tokens: int | None = None  # None: Hugging Face's loss over all logits at once
     bf16: bool = True  # compute dtype bf16 (slots stage fp32 then cast); False: fp32 everywhere
+    compact_state: bool = False  # host_state="compact": 8 B/param lasting state, bf16 weight copies
+    keep_activations: int = 0  # last blocks not recomputed (their activations stay on the device)
+    cache_weights: int = 0  # last blocks whose weights stay on the device for the step
+    offload_inputs: bool = False  # saved block inputs in pinned host memory
 
     @property
     def tokens(self) -> int:
@@ -145,20 +154,43 @@ class Plan:
 
 # ------------------------------------------------------------------------------------------------ bytes
 def host_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
-    """Host memory by item: 16 B/param of state, pinned gradient staging, the process."""
+    """Host memory by item: 16 B/param of state (compact: 12), pinned gradient staging, the process."""
     grad_path = max(shape.largest_block, shape.resident_params)  # _GradPath's numel: slabs and staging
+    if run.compact_state:
+        state = {
+            "master, bf16 + int16 halves (4 B/param)": MASTER_B * shape.total_params,
+            "fp32 grad accumulator (4 B/param)": GRAD_B * shape.total_params,
+            "AdamW moments, bf16 (4 B/param)": MOMENTS_B // 2 * shape.total_params,
+        }
+    else:
+        state = {
+            "fp32 master (4 B/param)": MASTER_B * shape.total_params,
+            "fp32 grad accumulator (4 B/param)": GRAD_B * shape.total_params,
+            "AdamW moments (8 B/param)": MOMENTS_B * shape.total_params,
+        }
+    saved_input = run.tokens * shape.hidden * 4
+    offloaded = (shape.layers - min(run.keep_activations, shape.layers)) if run.offload_inputs else 0
     return {
-        "fp32 master (4 B/param)": MASTER_B * shape.total_params,
-        "fp32 grad accumulator (4 B/param)": GRAD_B * shape.total_params,
-        "AdamW moments (8 B/param)": MOMENTS_B * shape.total_params,
+        **state,
         "grad staging (2 x grad path x 4 B)": 2 * grad_path * 4 if run.accumulate > 1 else 0,
+        # torch's caching pinned allocator rounds each saved input up to a power of two
+        "offloaded block inputs (pinned)": offloaded * 2 ** math.ceil(math.log2(saved_input)),
         "process overhead (estimate)": PROCESS_OVERHEAD_GB * GB,
     }
 
 
 def pinned_bytes(shape: PlanShape, run: RunSettings) -> float:
-    """Page-locked: masters and gradient accumulators (8 B/param) and the staging buffers."""
-    return (MASTER_B + GRAD_B) * shape.total_params + host_bytes(shape, run)["grad staging (2 x grad path x 4 B)"]
+    """Page-locked: masters and gradient accumulators (8 B/param; compact: 2 + 4) and the staging buffers."""
+    master_b = 2 if run.compact_state else MASTER_B  # compact: only the bf16 half is copied, and pinned
+    host = host_bytes(shape, run)
+    staged = host["grad staging (2 x grad path x 4 B)"] + host["offloaded block inputs (pinned)"]
+    return (master_b + GRAD_B) * shape.total_params + staged
+
+
+def block_activations_per_token(shape: PlanShape) -> float:
+    """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`)."""
+    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
+    return 30 * h + 6 * kv + 8 * inter
 
 
 def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float:
@@ -170,8 +202,8 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float
     transients (the fp32 residual gradient 4h, two bf16 MLP gradients 4I), and the block's bf16 parameter
     gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts is not modelled.
     """
-    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
-    per_token = 34 * h + 6 * kv + 12 * inter
+    h, inter = shape.hidden, shape.intermediate
+    per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
     scale = 1 if bf16 else 2  # fp32 activations are twice as wide
     return scale * (tokens * per_token + 2 * shape.largest_block)
 
@@ -179,16 +211,23 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float
 def gpu_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
     """Device memory by item at this micro-batch shape (see `gpu_peak` for how they combine)."""
     compute_b = 2 if run.bf16 else 4
-    staging_b = 4 if run.bf16 else 0  # fp32 masters arrive in a staging buffer, then cast on the device
+    # one fp32 staging buffer when fp32 masters are cast on the device (compact bf16 masters need none)
+    staging = 4 * shape.largest_block if run.bf16 and not run.compact_state else 0
     tokens = run.tokens
     chunked = run.loss_chunk_tokens is not None and tokens > run.loss_chunk_tokens
     logit_tokens = run.loss_chunk_tokens if chunked else tokens
+    keep = min(run.keep_activations, shape.layers)
+    cached = max(keep, min(run.cache_weights, shape.layers))
+    saved = shape.layers - keep
+    scale = 1 if run.bf16 else 2
     return {
-        f"weight slots ({run.slots} x block x {compute_b + staging_b} B)": run.slots * shape.largest_block * (compute_b + staging_b),
+        f"weight slots ({run.slots} + {cached} cached, x block x {compute_b} B) + staging": (run.slots + cached)
+        * shape.largest_block * compute_b + staging,
         "grad slabs (2 x grad path x 4 B)": 2 * max(shape.largest_block, shape.resident_params) * 4,
         "resident params + grads (8 B/param)": 8 * shape.resident_params,
         "LM head autocast copy (2 B/param)": 2 * shape.head_params if run.bf16 else 0,
-        "saved block inputs (fp32)": shape.layers * tokens * shape.hidden * 4,
+        "saved block inputs (fp32)": (min(saved, 2) if run.offload_inputs else saved) * tokens * shape.hidden * 4,
+        f"saved: kept activations ({keep} blocks)": keep * tokens * block_activations_per_token(shape) * scale,
         "transient: loss (logits)": logit_tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD),
         "transient: one block's recompute": block_working_set(shape, tokens, run.bf16),
     }
@@ -209,33 +248,49 @@ def gpu_peak(items: dict[str, float]) -> float:
 def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_ok: bool = True) -> dict[str, float]:
     """Seconds per phase from the ceilings, and the step from the overlap condition.
 
-    Device FLOPs per token: blocks 2N forward, 2N recompute, 4N backward; the head 2 forward + 4
-    backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T (DESIGN.md §6, hardware
-    FLOPs). Copies per micro-batch: every block's fp32 masters twice (forward and recompute), the resident
-    ones once; every gradient once back. Host AdamW runs per block as its last gradient lands, so it
-    overlaps the last micro-batch's backward; the resident part's update follows the backward.
+    Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
+    kept; the head 2 forward + 4 backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T
+    with recompute (DESIGN.md §6, hardware FLOPs). Copies: a cached block's weights once per step, every
+    other block's twice per micro-batch (forward and recompute), the resident fp32 masters once per step;
+    every gradient once per micro-batch back. Host work beside the backward: from the second micro-batch
+    on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
+    against AdamW's 28, so at 12/28 of the AdamW rate); in the last one it also runs AdamW per block as
+    its gradient lands; the resident part's update follows the backward.
     """
     tokens = run.tokens
     rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
     chunked = run.loss_chunk_tokens is not None and tokens > run.loss_chunk_tokens
+    layers = max(shape.layers, 1)
+    keep = min(run.keep_activations, layers)
+    cached = max(keep, min(run.cache_weights, layers))
+    recompute = (layers - keep) / layers  # fraction of the blocks recomputed in the backward
+    streamed = (layers - cached) / layers  # fraction of the block weights copied per micro-batch
     attn = 4 * shape.layers * shape.heads * shape.head_dim * run.seq_len  # per token, one pass
     fwd_flops = tokens * (2 * shape.block_params + 2 * shape.head_params + attn)
-    bwd_flops = tokens * (6 * shape.block_params + (6 if chunked else 4) * shape.head_params + 3 * attn)
+    bwd_flops = tokens * ((4 + 2 * recompute) * shape.block_params + (6 if chunked else 4) * shape.head_params
+                          + (2 + recompute) * attn)
     dev_fwd, dev_bwd = fwd_flops / rate, bwd_flops / rate
-    h2d_fwd = 4 * (shape.block_params + shape.resident_params) / link
-    h2d_bwd = 4 * shape.block_params / (link * BIDIRECTIONAL_FACTOR)
+    weight_b = 2 if run.compact_state else 4  # compact: the bf16 half of the masters travels as it is
+    h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
+    h2d_fwd = weight_b * shape.block_params * streamed / link
+    h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
     d2h_bwd = 4 * shape.total_params / (link * BIDIRECTIONAL_FACTOR)
-    fwd = max(dev_fwd, h2d_fwd)
-    bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     adam_rate = hw.host_adam_gparams_per_s * 1e9
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
-    step = (run.accumulate - 1) * (fwd + bwd) + fwd + max(bwd, adam_blocks) + adam_resident
+    add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
+    bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
+    fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
+    if run.accumulate == 1:
+        step = fwd_first + max(bwd, adam_blocks) + adam_resident
+    else:
+        step = (fwd_first + bwd) + (run.accumulate - 2) * (fwd + max(bwd, add)) + fwd + max(bwd, add + adam_blocks)
+        step += adam_resident
     return {
         "device compute": run.accumulate * (dev_fwd + dev_bwd),
-        "host->device copies": run.accumulate * (h2d_fwd + h2d_bwd),
+        "host->device copies": h2d_fwd_first + (run.accumulate - 1) * h2d_fwd + run.accumulate * h2d_bwd,
         "device->host copies": run.accumulate * d2h_bwd,
-        "host optimizer": adam_blocks + adam_resident,
+        "host optimizer": adam_blocks + adam_resident + (run.accumulate - 1) * add,
         "forward (one micro-batch)": fwd,
         "backward (one micro-batch)": bwd,
         "step": step,
@@ -289,10 +344,11 @@ def make_plan(shape: PlanShape, run: RunSettings, hw: HardwareProfile, model: st
     host_total = sum(host.values())
     host_available = hw.host_memory_gb * GB
     if refuse and host_total > host_available:
-        state = (MASTER_B + GRAD_B + MOMENTS_B) * shape.total_params
+        per_param = 12 if run.compact_state else MASTER_B + GRAD_B + MOMENTS_B
+        state = per_param * shape.total_params
         raise ConfigError(
             f"model={model} ({shape.total_params / 1e9:.2f} B parameters) needs {host_total / GB:,.1f} GB of host "
-            f"memory ({state / GB:,.1f} GB of fp32 master, gradient and AdamW state at 16 B/param, "
+            f"memory ({state / GB:,.1f} GB of master, gradient and AdamW state at {per_param} B/param, "
             f"{(host_total - state) / GB:.1f} GB staging and process), but hardware={hw.name} has "
             f"{hw.host_memory_gb:,.0f} GB: choose a smaller model or a profile with more host memory "
             f"(or set hardware.host_memory_gb if the profile is wrong for this machine)"

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
+from .engine.host_store import HOST_STATES, HostState
 from .engine.pipeline import StreamingEngine
 from .optim import HostOptimizer, chain_zero_grad
 from .init import initializer_for
@@ -66,6 +67,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         offload_inputs: keep the recomputed blocks' saved inputs in pinned host memory rather than on the
             device, so device memory stops growing with depth (one residual-stream activation per block:
             tokens x hidden x 4 bytes), at the cost of those bytes over the link both ways.
+        host_state: ``"fp32"`` (default): fp32 master, gradient and Adam moments, 16 B/param on the host.
+            ``"compact"``: 12 B/param (8 lasting + the 4 B fp32 gradient) for models whose fp32 state does
+            not fit: the fp32 master is kept exactly as a bf16 high half plus an int16 low half, and Adam's
+            moments are bf16 (stochastically rounded). Costs: the module's parameters (``state_dict()``,
+            checkpoints) are bf16, the exact low halves travel in the optimizer state (``master_low``);
+            the host step is 2-3.5x slower per parameter (2-core measurement); Adam/AdamW only. Halves
+            the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss is
+            within 0.01% of ``"fp32"``, where plain bf16 masters end 3.3% off (README, "Compact state").
         checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
             (a directory of safetensors shards, written a shard at a time and atomically).
         accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
@@ -85,6 +94,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         keep_activations: int = 0,
         cache_weights: int = 0,
         offload_inputs: bool = False,
+        host_state: HostState = "fp32",
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -105,6 +115,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.keep_activations = keep_activations
         self.cache_weights = cache_weights
         self.offload_inputs = offload_inputs
+        if host_state not in HOST_STATES:
+            raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
+        self.host_state = host_state
         self._explicit_device = torch.device(device) if device is not None else None
         self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
@@ -180,6 +193,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             keep_activations=min(self.keep_activations, len(blocks)),
             cache_weights=min(self.cache_weights, len(blocks)),
             offload_inputs=self.offload_inputs,
+            host_state=self.host_state,
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -35,6 +35,8 @@ SHAPES = {
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2_5_7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2_5_14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 COLUMNS = ["date", "machine", "model", "params_b", "strategy", "micro_batch", "accumulate", "seq_len", "step_s",
            "tokens_per_s", "model_tflops", "mfu", "peak_gpu_gib", "peak_host_rss_gib", "status"]
@@ -59,6 +61,8 @@ def _one_run(args: argparse.Namespace) -> dict:
     target = "cuda" if args.strategy == "single_device" else "cpu"
     model = model.to_empty(device=target)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device=target)  # its buffers, rebuilt
+    if cfg.tie_word_embeddings:  # the published shape; transformers 5.17 left a meta-built head untied
+        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():  # cheap random init: drawn on the GPU, copied where the model lives
         for name, p in model.named_parameters():
             if p.ndim == 1:
@@ -137,10 +141,14 @@ def _one_run(args: argparse.Namespace) -> dict:
         _sync_debug(torch, trainer)
     trainer.fit(Bench(), loader)
     step_s = sum(steps_t[args.warmup:]) / len(steps_t[args.warmup:])
-    n_total = sum(p.numel() for p in model.parameters())
-    embed = model.model.embed_tokens.weight.numel()
+    def numel(p) -> int:  # DeepSpeed ZeRO-3 leaves empty partitions in the module: ds_numel is the full size
+        return getattr(p, "ds_numel", p.numel())
+
+    n_total = sum(numel(p) for p in model.parameters())
+    embed = numel(model.model.embed_tokens.weight)
     head = cfg.vocab_size * cfg.hidden_size
-    n_flop = n_total - embed + (head if cfg.tie_word_embeddings else 0)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight  # as built, whatever the config says
+    n_flop = n_total - embed + (head if tied else 0)  # the head's matmul counts once either way
     L_, H = cfg.num_hidden_layers, cfg.num_attention_heads
     Q = cfg.hidden_size // H
     tokens = args.micro_batch * args.seq_len * args.accumulate

@@ -264,3 +264,14 @@ def run_parity(
         assert_is_megatrain(got)
     assert_parity(ref, got, loss_rtol, param_rtol, loose)
     return ref, got
+
+
+@pytest.fixture
+def one_intra_op_thread() -> Any:
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's waiting
+    threads slow every small op down (seen: one GPT-OSS fit 30 s with 2 threads, 0.6 s with 1). Test
+    files that compare strategies use it for every test (``pytestmark``), so both sides run alike."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -26,13 +26,7 @@ from megatrain_lightning.checkpoint_io import ShardedCheckpointIO
 from zoo import TinyLlama
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Any:
-    """Tiny models gain nothing from intra-op threads; on 2 cores they only add waiting."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def tensors_equal(a: Any, b: Any, where: str = "checkpoint") -> None:

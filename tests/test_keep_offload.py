@@ -9,9 +9,7 @@ blocks one per optimizer step, offloaded inputs leave the device between forward
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
-import lightning as L
 import pytest
 import torch
 
@@ -22,12 +20,7 @@ from test_streaming import BlockNet, CountingProbe, _loader, _trainer
 from zoo import ZOO
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Any:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 OPTIONS = {

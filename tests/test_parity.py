@@ -30,15 +30,7 @@ from megatrain_lightning.checkpoint_io import ShardedCheckpointIO
 from zoo import ZOO, LinearOnly, ResidualMLPBlock, TinyLlama, UserBlocks
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread() -> Any:
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
-    waiting threads slow every small op down (seen: one GPT-OSS fit 30 s with 2 threads, 0.6 s
-    with 1). Both strategies run under the same setting."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # AdamW cases. Qwen2's key-projection bias starts at zero and its gradient is nearly zero (a

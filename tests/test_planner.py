@@ -37,37 +37,52 @@ HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision=
 
 def test_host_bytes_by_hand() -> None:
     host = host_bytes(SHAPE, RUN)
-    assert list(host.values()) == [4000, 4000, 8000, 2 * 400 * 4, PROCESS_OVERHEAD_GB * GB]
+    assert list(host.values()) == [4000, 4000, 8000, 2 * 400 * 4, 0, PROCESS_OVERHEAD_GB * GB]
     assert host_bytes(SHAPE, dataclasses.replace(RUN, accumulate=1))["grad staging (2 x grad path x 4 B)"] == 0
     assert pinned_bytes(SHAPE, RUN) == 8000 + 3200  # masters + grads + staging
+    # offloaded inputs: one per recomputed block (the kept one saves none), rounded up to a power of two
+    offload = host_bytes(SHAPE, dataclasses.replace(RUN, offload_inputs=True, keep_activations=1))
+    assert offload["offloaded block inputs (pinned)"] == 1 * 256  # 2 x 3 tokens x 8 hidden x 4 B = 192 -> 256
 
 
 def test_gpu_bytes_by_hand() -> None:
     gpu = gpu_bytes(SHAPE, RUN)
     tokens = 2 * 3
     assert list(gpu.values()) == [
-        3 * 300 * (2 + 4),  # slots: bf16 weights + fp32 staging
+        3 * 300 * 2 + 300 * 4,  # slots: bf16 weights + one fp32 staging buffer
         2 * 400 * 4,  # slabs sized to the resident set, the larger
         8 * 400,  # resident fp32 copies + fp32 grads
         2 * 200,  # bf16 autocast copy of the head
         2 * tokens * 8 * 4,  # saved fp32 block inputs
+        0,  # no kept activations
         tokens * 50 * 12,  # logits: saved log_softmax + nll grad + input grad, fp32
         tokens * (34 * 8 + 6 * 4 + 12 * 16) + 2 * 300,  # one block's recompute + its bf16 param grads
     ]
-    assert gpu_peak(gpu) == 5400 + 3200 + 3200 + 400 + 384 + max(3600, 3528)
+    assert gpu_peak(gpu) == 3000 + 3200 + 3200 + 400 + 384 + max(3600, 3528)
+    # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
+    kept = gpu_bytes(SHAPE, dataclasses.replace(RUN, keep_activations=1, cache_weights=2, offload_inputs=True))
+    assert list(kept.values())[0] == (3 + 2) * 300 * 2 + 300 * 4
+    assert kept["saved block inputs (fp32)"] == 1 * tokens * 8 * 4  # the one recomputed block
+    assert kept["saved: kept activations (1 blocks)"] == tokens * (30 * 8 + 6 * 4 + 8 * 16)
     chunked = gpu_bytes(SHAPE, dataclasses.replace(RUN, loss_chunk_tokens=4))
     assert chunked["transient: loss (logits)"] == 4 * 50 * 12
 
 
 def test_step_time_by_hand_names_the_link() -> None:
     plan = make_plan(SHAPE, RUN, HW)
-    h2d_fwd, h2d_bwd, d2h = 4000 / 1e9, 2400 / 0.9e9, 4000 / 0.9e9  # bytes / (link x bidirectional)
+    # the step's first forward also brings the resident fp32 masters; later ones the blocks only
+    h2d_first, h2d_fwd, h2d_bwd, d2h = 4000 / 1e9, 2400 / 1e9, 2400 / 0.9e9, 4000 / 0.9e9
+    add, adam_blocks, adam_resident = 12 / 28 * 1000 / 1e9, 600 / 1e9, 400 / 1e9
     assert plan.times["forward (one micro-batch)"] == pytest.approx(h2d_fwd)
     assert plan.times["backward (one micro-batch)"] == pytest.approx(d2h)
-    # one micro-batch, then the last: forward + max(backward, block AdamW) + resident AdamW
-    assert plan.step_s == pytest.approx((h2d_fwd + d2h) + h2d_fwd + max(d2h, 600 / 1e9) + 400 / 1e9)
+    # first micro-batch, then the last: its backward beside the host add + block AdamW, then resident AdamW
+    assert plan.step_s == pytest.approx((h2d_first + d2h) + h2d_fwd + max(d2h, add + adam_blocks) + adam_resident)
     assert plan.bottleneck == "host->device"
-    assert plan.times["host->device copies"] == pytest.approx(2 * (h2d_fwd + h2d_bwd))
+    assert plan.times["host->device copies"] == pytest.approx(h2d_first + h2d_fwd + 2 * h2d_bwd)
+    # cached weights travel once per step; kept blocks are not recomputed
+    cached = make_plan(SHAPE, dataclasses.replace(RUN, cache_weights=2, keep_activations=2), HW)
+    assert cached.times["host->device copies"] == pytest.approx(h2d_first)
+    assert cached.times["device compute"] < plan.times["device compute"]
 
 
 def test_largest_micro_batch_is_the_boundary() -> None:

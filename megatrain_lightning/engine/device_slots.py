@@ -81,6 +81,7 @@ class DeviceSlots:
         dtype: torch.dtype,
         device: torch.device,
         fixed: Sequence[tuple[int, int]] = (),
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         if depth < 2:
             raise ValueError(f"slots={depth}: at least 2 device slots are needed to overlap copy and compute")
@@ -94,8 +95,8 @@ class DeviceSlots:
         for block, n in fixed:
             self.fixed[block] = len(self.buffers)
             self.buffers.append(torch.empty(n, dtype=dtype, device=device))
-        needs_staging = dtype != torch.float32
-        self.staging = torch.empty(numel, device=device) if needs_staging else None
+        needs_staging = dtype != master_dtype  # bf16 masters (host_state="compact") under bf16: none
+        self.staging = torch.empty(numel, dtype=master_dtype, device=device) if needs_staging else None
         self.block_in_slot: list[int | None] = [None] * len(self.buffers)
 
     def invalidate(self) -> None:

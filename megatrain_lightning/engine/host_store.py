@@ -6,19 +6,52 @@ turns the module's own parameters into views of it: ``state_dict()``, checkpoint
 seeing ordinary host tensors that *are* the master weights. The gradient accumulator and the Adam
 moments use the same layout, so that one copy moves a whole block in either direction.
 
-Memory: 4 bytes/param master, 4 gradient (allocated on first use), 8 Adam moments (allocated by the
-host optimizer). Pinning, when asked for, registers the exact buffer with the CUDA driver instead of
-taking it from torch's caching pinned allocator, which rounds every request up to a power of two.
+Memory (``host_state="fp32"``, the default): 4 bytes/param master, 4 gradient (allocated on first use),
+8 Adam moments (allocated by the host optimizer): 12 B/param of lasting state.
+
+``host_state="compact"``: 8 B/param of lasting state, for models whose fp32 state does not fit. The fp32
+master is kept *exactly*, split in two 16-bit halves: ``master`` holds its high half rounded to nearest
+(a bf16 tensor: the parameters are bf16 views, and a block goes to the device as these bytes, half the
+host→device traffic) and ``master_low`` (int16) the low half, so that ``join_fp32(master, master_low)``
+gives back the fp32 bits and every update is applied to the fp32 weight (no small AdamW update rounds
+away, unlike plain bf16 masters). Adam's moments are bf16 (2+2 B). The gradient accumulator stays fp32
+(4 B, transient). The parameters' ``grad_dtype`` is fp32 so the accumulators can be their ``.grad``.
+
+Pinning, when asked for, registers the exact buffer with the CUDA driver instead of taking it from
+torch's caching pinned allocator, which rounds every request up to a power of two.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import nn
 
 ALIGN_BYTES = 64
+HostState = Literal["fp32", "compact"]
+HOST_STATES = ("fp32", "compact")
+
+
+def join_fp32(hi: torch.Tensor, lo: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor) -> None:
+    """fp32 bit patterns (``bits``, int32) from a bf16 high half ``hi`` and an int16 low half ``lo``.
+
+    ``hi`` is the high half rounded half-up (see :func:`split_fp32`), so the exact bits are
+    ``(hi << 16) + lo`` with ``lo`` sign-extended: a negative ``lo`` is exactly the round-up to undo.
+    ``tmp``: int32 scratch of the same length (a same-dtype add is ~2x faster than a mixed one).
+    """
+    bits.view(torch.float32).copy_(hi)  # bf16 -> fp32 is exact: the bits become hi << 16
+    tmp.copy_(lo)  # sign-extends
+    bits.add_(tmp)
+
+
+def split_fp32(bits: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, tmp: torch.Tensor) -> None:
+    """Inverse of :func:`join_fp32`: ``hi`` = the fp32 value rounded to the nearest bf16 (ties away from
+    zero: the only difference from ``.bfloat16()``), ``lo`` = the low 16 bits of ``bits``."""
+    lo.copy_(bits)  # int32 -> int16 keeps the low 16 bits
+    torch.add(bits, 0x8000, out=tmp)
+    tmp.bitwise_right_shift_(16)  # arithmetic shift: the rounded high half, in int16 range
+    hi.view(torch.int16).copy_(tmp)
 
 
 def _align(n: int, elems: int) -> int:
@@ -71,26 +104,65 @@ class PinnedRegistry:
 
 
 class FlatStore:
-    """fp32 master weights (and, lazily, gradients and Adam moments) of one block, as flat host buffers.
+    """Master weights (and, lazily, gradients and Adam moments) of one block, as flat host buffers.
 
     Construction copies each parameter's current value into the master buffer and re-points the
     parameter at its view (``param.data = view``), so the module keeps its own Parameter objects.
+
+    Args:
+        params: the block's parameters, in layout order.
+        pins: where pinned buffers come from (master and gradient: the buffers that are copied).
+        host_state: ``"fp32"`` (fp32 master and moments, 12 B/param + 4 B gradient) or ``"compact"``
+            (the fp32 master as bf16 high half + int16 low half, bf16 moments: 8 B/param + 4 B
+            gradient; the parameters become bf16 views). See the module docstring.
+        compensate: compact only. False drops the low half: plain bf16 masters (6 B/param), on which
+            updates smaller than half a bf16 step round away. For measuring that failure, not for use.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], pins: PinnedRegistry) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        pins: PinnedRegistry,
+        host_state: HostState = "fp32",
+        compensate: bool = True,
+    ) -> None:
+        if host_state not in HOST_STATES:
+            raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
         self.layout = FlatLayout(params)
         self._pins = pins
-        self.master = pins.empty(self.layout.numel)
+        self.compact = host_state == "compact"
+        if self.compact and not hasattr(torch.Tensor, "grad_dtype"):
+            raise RuntimeError(
+                f"host_state='compact' needs torch >= 2.10 (Tensor.grad_dtype: bf16 parameters with fp32 "
+                f"gradients); this is torch {torch.__version__}. Use host_state='fp32'."
+            )
+        self.dtype = torch.bfloat16 if self.compact else torch.float32
+        self.master = pins.empty(self.layout.numel, self.dtype)
         self.master.zero_()  # alignment padding stays zero: it enters norms and copies
+        # compact: the low 16 bits of each fp32 master (pageable: never copied to the device)
+        self.master_low: torch.Tensor | None = (
+            torch.zeros(self.layout.numel, dtype=torch.int16) if self.compact and compensate else None
+        )
         self.grad: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
+        low_views = self.layout.views(self.master_low) if self.master_low is not None else None
         with torch.no_grad():
-            for p, view in zip(self.layout.params, self.layout.views(self.master)):
-                if p.dtype != torch.float32 and p.is_floating_point():
-                    raise TypeError(f"parameter of dtype {p.dtype}: the host store keeps fp32 masters only")
-                view.copy_(p.detach())
+            for k, (p, view) in enumerate(zip(self.layout.params, self.layout.views(self.master))):
+                if not self.compact:
+                    if p.dtype != torch.float32 and p.is_floating_point():
+                        raise TypeError(f"parameter of dtype {p.dtype}: the host store keeps fp32 masters only")
+                    view.copy_(p.detach())
+                else:
+                    if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16):
+                        raise TypeError(f"parameter of dtype {p.dtype}: host_state='compact' takes fp32 or bf16")
+                    value = p.detach().reshape(-1).to(torch.float32)
+                    n = value.numel()
+                    low = low_views[k].view(-1) if low_views is not None else torch.empty(n, dtype=torch.int16)
+                    split_fp32(value.view(torch.int32), view.view(-1), low, torch.empty(n, dtype=torch.int32))
                 p.data = view
+                if self.compact:
+                    p.grad_dtype = torch.float32  # the fp32 accumulators become bf16 parameters' .grad
         self.master_views = self.layout.views(self.master)
 
     @property
@@ -110,9 +182,28 @@ class FlatStore:
         return self.grad
 
     def moment_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adam's first and second moments, zero-initialised on first use (pageable: never copied)."""
+        """Adam's first and second moments, zero-initialised on first use (pageable: never copied).
+
+        fp32, or bf16 with ``host_state="compact"``.
+        """
         if self.exp_avg is None:
-            self.exp_avg = torch.zeros(self.layout.numel)
-            self.exp_avg_sq = torch.zeros(self.layout.numel)
+            self.exp_avg = torch.zeros(self.layout.numel, dtype=self.dtype)
+            self.exp_avg_sq = torch.zeros(self.layout.numel, dtype=self.dtype)
         assert self.exp_avg_sq is not None
         return self.exp_avg, self.exp_avg_sq
+
+    def master_fp32(self) -> torch.Tensor:
+        """The fp32 master weights as one new flat tensor (a copy; the buffer itself in fp32 mode)."""
+        if not self.compact:
+            return self.master
+        if self.master_low is None:
+            return self.master.float()
+        n = self.layout.numel
+        bits = torch.empty(n, dtype=torch.int32)
+        join_fp32(self.master, self.master_low, bits, torch.empty(n, dtype=torch.int32))
+        return bits.view(torch.float32)
+
+    def lasting_bytes(self) -> int:
+        """Host bytes of lasting state: master (both halves) and Adam moments; the gradient is transient."""
+        tensors = (self.master, self.master_low, self.exp_avg, self.exp_avg_sq)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

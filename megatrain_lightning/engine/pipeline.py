@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from .device_slots import BlockBinding, DeviceSlots
-from .host_store import FlatStore, PinnedRegistry
+from .host_store import FlatStore, HostState, PinnedRegistry
 from .materialize import InitFn, MetaMaterializer
 from .streamed_block import CallSpec, StreamedBlock
 
@@ -252,6 +252,9 @@ class StreamingEngine:
             the device; they come back one block ahead of their backward on the host→device stream. Device
             memory then no longer grows with depth (each saved input is one activation of the residual
             stream: tokens x hidden x 4 bytes); it costs their bytes on the link both ways.
+        host_state: ``"fp32"`` (16 B/param: fp32 master, gradient, Adam moments) or ``"compact"`` (12 B:
+            the fp32 master split into a bf16 high half, which is what the device receives, and an int16
+            low half; bf16 moments; fp32 gradient). See ``host_store.py``; Adam/AdamW only.
     """
 
     def __init__(
@@ -266,6 +269,7 @@ class StreamingEngine:
         keep_activations: int = 0,
         cache_weights: int = 0,
         offload_inputs: bool = False,
+        host_state: HostState = "fp32",
     ) -> None:
         n_blocks = len(blocks)
         for name, value in (("keep_activations", keep_activations), ("cache_weights", cache_weights)):
@@ -283,7 +287,7 @@ class StreamingEngine:
         for block in self.blocks:
             materialize(block)  # a meta-built block becomes host tensors now, just before its store
             ps = list(block.parameters())
-            store = FlatStore(ps, self.pins)
+            store = FlatStore(ps, self.pins, host_state)
             self.stores.append(store)
             binding = BlockBinding(block, store.params)
             binding.buffers_to(self.device)
@@ -292,14 +296,16 @@ class StreamingEngine:
         in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
         self.root = root
         self.resident = [p for p in root.parameters() if id(p) not in in_blocks]
-        self.resident_store = FlatStore(self.resident, self.pins) if self.resident else None
+        self.resident_store = FlatStore(self.resident, self.pins, host_state) if self.resident else None
         self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
 
         max_numel = max(s.numel for s in self.stores)
         self.keep = set(range(n_blocks - keep_activations, n_blocks))
         cached = range(n_blocks - max(keep_activations, cache_weights), n_blocks)
         fixed = [(b, self.stores[b].numel) for b in cached]
-        self.slots = DeviceSlots(slots, max_numel, compute_dtype, self.device, fixed=fixed)
+        self.slots = DeviceSlots(
+            slots, max_numel, compute_dtype, self.device, fixed=fixed, master_dtype=self.stores[0].dtype
+        )
         n_slots = len(self.slots.buffers)
         self._ready = [self.streams.event() for _ in range(n_slots)]
         self._free = [self.streams.event() for _ in range(n_slots)]
@@ -417,7 +423,13 @@ class StreamingEngine:
             with self.streams.on(self.streams.h2d):
                 if self.streams.cuda:
                     self.streams.h2d.wait_stream(compute)  # no queued kernel may still read the old copy
-                self._res_device.copy_(store.master, non_blocking=True)
+                if store.master.dtype == self._res_device.dtype:
+                    self._res_device.copy_(store.master, non_blocking=True)
+                else:  # bf16 masters (host_state="compact"): copy as they are, widen on the device
+                    stage = torch.empty(store.numel, dtype=store.master.dtype, device=self.device)
+                    stage.copy_(store.master, non_blocking=True)
+                    self._res_device.copy_(stage)
+                    # Buffer lifetime: allocated on the h2d stream, read only there; freed after the cast.
                 ev = self.streams.event()
                 ev.record(self.streams.h2d)
             self.streams.wait(compute, ev)
