@@ -159,6 +159,7 @@ def test_meta_build_peak_host_memory_is_the_store_plus_about_one_block() -> None
     block = weights / 20
     grown = peak - before
     assert weights > 2 * 2**30
-    # one full copy of the weights (the store) plus a few blocks of slack (one materialised block, the
-    # device slots of this CPU run: 2 slots, and allocator slack); a second full copy would add 2.5 GiB
-    assert grown < weights + 5 * block, (grown / 2**30, weights / 2**30)
+    # one full copy of the weights (the store, which meta tensors are materialised into as views) plus
+    # the device slots of this CPU run (2 blocks) and under one block of slack; measured: weights + 2.02
+    # blocks. Materialising a block beside its store would add a block, a second full copy 2.5 GiB.
+    assert grown < weights + 3 * block, (grown / 2**30, weights / 2**30)

@@ -117,6 +117,9 @@ class FlatStore:
             gradient; the parameters become bf16 views). See the module docstring.
         compensate: compact only. False drops the low half: plain bf16 masters (6 B/param), on which
             updates smaller than half a bf16 step round away. For measuring that failure, not for use.
+        master: the master buffer, already allocated and laid out as ``FlatLayout(params)`` (the engine
+            materialises meta-built parameters as its views); parameters that already are their view
+            are not copied.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class FlatStore:
         pins: PinnedRegistry,
         host_state: HostState = "fp32",
         compensate: bool = True,
+        master: torch.Tensor | None = None,
     ) -> None:
         if host_state not in HOST_STATES:
             raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
@@ -137,8 +141,12 @@ class FlatStore:
                 f"gradients); this is torch {torch.__version__}. Use host_state='fp32'."
             )
         self.dtype = torch.bfloat16 if self.compact else torch.float32
-        self.master = pins.empty(self.layout.numel, self.dtype)
-        self.master.zero_()  # alignment padding stays zero: it enters norms and copies
+        if master is None:
+            master = pins.empty(self.layout.numel, self.dtype)
+            master.zero_()  # alignment padding stays zero: it enters norms and copies
+        elif master.numel() != self.layout.numel or master.dtype != self.dtype:
+            raise ValueError(f"master of {master.numel()} {master.dtype} does not fit this layout")
+        self.master = master
         # compact: the low 16 bits of each fp32 master (pageable: never copied to the device)
         self.master_low: torch.Tensor | None = (
             torch.zeros(self.layout.numel, dtype=torch.int16) if self.compact and compensate else None
@@ -152,7 +160,8 @@ class FlatStore:
                 if not self.compact:
                     if p.dtype != torch.float32 and p.is_floating_point():
                         raise TypeError(f"parameter of dtype {p.dtype}: the host store keeps fp32 masters only")
-                    view.copy_(p.detach())
+                    if p.data_ptr() != view.data_ptr():  # materialised in place already: nothing to copy
+                        view.copy_(p.detach())
                 else:
                     if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16):
                         raise TypeError(f"parameter of dtype {p.dtype}: host_state='compact' takes fp32 or bf16")

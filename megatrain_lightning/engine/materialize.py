@@ -1,9 +1,11 @@
 """Materialising a model built on the meta device, one block at a time, straight into the host store.
 
-A model built under ``torch.device("meta")`` has shapes but no memory. The engine gives each block real
-(uninitialised, fp32) host tensors just before it builds that block's flat store, has the caller's
-``init`` fill them, and the store then takes them over: peak host memory is the store plus about one
-block, never a second full copy of the model. Ties survive: a meta tensor shared by two modules
+A model built under ``torch.device("meta")`` has shapes but no memory. The engine lays out each block's
+flat store first, from the meta shapes, and has the materialiser give each meta parameter its view of the
+store's master buffer (:meth:`MetaMaterializer.place`); the caller's ``init`` then fills those views in
+place. Nothing is copied and nothing is held twice: peak host memory is the store itself, for the blocks
+and for the resident part (embeddings and head) alike. Tensors without a placed view (buffers, and
+parameters when the store keeps another dtype) become fresh fp32 host tensors that the store copies. Ties survive: a meta tensor shared by two modules
 becomes one host tensor shared by both.
 """
 
@@ -24,6 +26,12 @@ class MetaMaterializer:
         self.init = init
         # id(meta tensor) -> (meta tensor, host tensor); the meta tensor is kept so its id is not reused
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._placed: dict[int, torch.Tensor] = {}
+
+    def place(self, views: dict[int, torch.Tensor]) -> None:
+        """Where the next materialisation puts meta tensors: ``id(meta tensor) -> host view`` (fp32,
+        its shape). The caller keeps the meta tensors alive until then, so the ids stay theirs."""
+        self._placed.update(views)
 
     def __call__(self, root: nn.Module, skip: Collection[int] = ()) -> list[nn.Module]:
         """Materialise ``root``'s subtree, not descending into modules whose id is in ``skip``.
@@ -60,8 +68,11 @@ class MetaMaterializer:
     def _host(self, t: torch.Tensor, wrap: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         hit = self._memo.get(id(t))
         if hit is None:
-            dtype = torch.float32 if t.is_floating_point() else t.dtype  # masters are fp32
-            hit = self._memo[id(t)] = (t, wrap(torch.empty(t.shape, dtype=dtype)))
+            host = self._placed.pop(id(t), None)
+            if host is None:
+                dtype = torch.float32 if t.is_floating_point() else t.dtype  # masters are fp32
+                host = torch.empty(t.shape, dtype=dtype)
+            hit = self._memo[id(t)] = (t, wrap(host))
         return hit[1]
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
 
 from .device_slots import BlockBinding, DeviceSlots
-from .host_store import FlatStore, HostState, PinnedRegistry
+from .host_store import FlatLayout, FlatStore, HostState, PinnedRegistry
 from .materialize import InitFn, MetaMaterializer
 from .streamed_block import CallSpec, StreamedBlock
 
@@ -285,18 +285,19 @@ class StreamingEngine:
         self.bindings: list[BlockBinding] = []
         block_ids = {id(b) for b in self.blocks}
         for block in self.blocks:
-            materialize(block)  # a meta-built block becomes host tensors now, just before its store
-            ps = list(block.parameters())
-            store = FlatStore(ps, self.pins, host_state)
+            # a meta-built block becomes views of its store now, initialised in place
+            store = self._materialize_into_store(block, lambda b=block: list(b.parameters()), materialize, host_state)
+            assert store is not None  # find_blocks returns blocks with parameters
             self.stores.append(store)
             binding = BlockBinding(block, store.params)
             binding.buffers_to(self.device)
             self.bindings.append(binding)
-        materialize(root, skip=block_ids)
         in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
         self.root = root
-        self.resident = [p for p in root.parameters() if id(p) not in in_blocks]
-        self.resident_store = FlatStore(self.resident, self.pins, host_state) if self.resident else None
+        self.resident_store = self._materialize_into_store(
+            root, lambda: [p for p in root.parameters() if id(p) not in in_blocks], materialize, host_state, block_ids
+        )
+        self.resident = list(self.resident_store.params) if self.resident_store else []
         self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
 
         max_numel = max(s.numel for s in self.stores)
@@ -339,6 +340,30 @@ class StreamingEngine:
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
         # Any module owning a resident parameter pulls the resident set onto the device when it runs.
         self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in self._resident_owners()]
+
+    def _materialize_into_store(
+        self,
+        module: nn.Module,
+        params_of: Callable[[], list[nn.Parameter]],
+        materialize: MetaMaterializer,
+        host_state: HostState,
+        skip: Collection[int] = (),
+    ) -> FlatStore | None:
+        """Materialise ``module`` (not descending into ``skip``) and build the store of ``params_of()``.
+
+        fp32 stores are laid out from the meta shapes first and the meta parameters become views of the
+        store's master, so that initialisation writes the store directly (no second copy of anything).
+        """
+        params = params_of()
+        master = None
+        if host_state == "fp32" and any(p.is_meta for p in params):
+            layout = FlatLayout(params)
+            master = self.pins.empty(layout.numel)
+            master.zero_()  # alignment padding stays zero
+            materialize.place({id(p): v for p, v in zip(params, layout.views(master)) if p.is_meta})
+        materialize(module, skip=skip)
+        params = params_of()
+        return FlatStore(params, self.pins, host_state, master=master) if params else None
 
     # ------------------------------------------------------------------ step scope
     def open_step(self) -> None:
