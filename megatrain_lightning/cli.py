@@ -32,6 +32,7 @@ from megatrain_lightning.plan import (
     estimate_host_bytes,
     pin_memory_fits,
     state_bytes_per_param,
+    state_description,
 )
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         model = instantiate(cfg.model)  # meta device only: parameters counted, nothing allocated
         shape = model.model_shape
-        state_bytes = state_bytes_per_param(cfg.strategy.get("host_state"))  # 16, or 12 with host_state=compact
+        pooled = (
+            str(cfg.strategy.get("_target_", "")).endswith("MegaTrainStrategy")
+            and int(cfg.strategy.get("grad_buffers", 0) or 0) > 0
+            and int(cfg.trainer.get("accumulate_grad_batches") or 1) == 1
+            and not cfg.trainer.get("gradient_clip_val")
+        )
+        # 16 B/param, 12 with host_state=compact; 4 less when the gradients live in the pooled buffers
+        state_bytes = state_bytes_per_param(cfg.strategy.get("host_state"), pooled)
         info = {
             "model": model_name,
             "params": shape.total_params,
@@ -158,7 +166,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "host_state_gb": round(estimate_host_bytes(shape.total_params, state_bytes) / GB, 3),
         }
         _write_json(out_dir / "run_info.json", info)
-        check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name, state_bytes=state_bytes)
+        check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name, state_bytes=state_bytes,
+                   what=state_description(cfg.strategy.get("host_state"), pooled))
         if hw.accelerator == "cuda" and str(cfg.strategy.get("_target_")).endswith(_DEVICE_RESIDENT):
             warning = device_state_warning(shape.total_params, hw.device_memory_gb, strategy_name)
             if warning:

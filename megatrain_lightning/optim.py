@@ -76,6 +76,8 @@ class _Range:
         self.cache: tuple[list[torch.Tensor], ...] | None = None
         # compact stores: (spans, steps) of a full step, reused likewise
         self.compact_cache: tuple[list[CompactSpan], list[torch.Tensor]] | None = None
+        # the gradient buffer the caches were built on: a pooled buffer changes from step to step
+        self.cache_grad: torch.Tensor | None = None
 
 
 class HostOptimizer:
@@ -262,7 +264,7 @@ class HostOptimizer:
         store = r.store
         grad_views = store.grad_views if store.grad is not None else None
         # Steady state: every gradient is the store's own view and every state exists -> cached lists.
-        if r.cache is not None and grad_views is not None and all(
+        if r.cache is not None and grad_views is not None and r.cache_grad is store.grad and all(
             p.grad is grad_views[i] for i, p in zip(r.indices, r.params)
         ):
             fused_adam_step(*r.cache, hyper)
@@ -286,6 +288,7 @@ class HostOptimizer:
         r.cache = (ps, gs, eas_l, eass_l, steps) if complete and all(
             g is grad_views[i] for g, i in zip(gs, r.indices)
         ) else None
+        r.cache_grad = store.grad
 
     def _step_range_compact(self, r: _Range, hyper: AdamHyper) -> None:
         """The compact-state update of one range: one span per run of adjacent parameters whose
@@ -293,7 +296,7 @@ class HostOptimizer:
         store = r.store
         ea, eas = store.moment_buffers()
         grad_views = store.grad_views if store.grad is not None else None
-        if r.compact_cache is not None and grad_views is not None and all(
+        if r.compact_cache is not None and grad_views is not None and r.cache_grad is store.grad and all(
             p.grad is grad_views[i] for i, p in zip(r.indices, r.params)
         ):
             spans, steps = r.compact_cache
@@ -332,6 +335,7 @@ class HostOptimizer:
         compact_adam_step(store.master, store.master_low, ea, eas, spans, hyper)
         complete = len(steps) == len(r.params) and all(run[2] for run in runs)
         r.compact_cache = (spans, steps) if complete else None
+        r.cache_grad = store.grad
 
 
 def _ensure_state(st: dict[str, Any], r: _Range, i: int, low_views: list[torch.Tensor] | None = None) -> dict[str, Any]:

@@ -33,9 +33,23 @@ def estimate_host_bytes(
     return num_params * (state_bytes_per_param + transfer_bytes_per_param)
 
 
-def state_bytes_per_param(host_state: str | None) -> int:
-    """Host bytes per parameter of training state for a strategy's ``host_state`` (None: not MegaTrain's)."""
-    return COMPACT_STATE_BYTES_PER_PARAM if host_state == "compact" else STATE_BYTES_PER_PARAM
+def state_bytes_per_param(host_state: str | None, pooled_grads: bool = False) -> int:
+    """Host bytes per parameter of training state for a strategy's ``host_state`` (None: not MegaTrain's).
+
+    ``pooled_grads``: MegaTrainStrategy lends its blocks pooled gradient buffers (``grad_buffers`` > 0,
+    no accumulation, no clipping), so the 4 B/param fp32 gradient is not lasting state; the pool and the
+    resident part's gradient are left to the planner, this check stays a lower bound.
+    """
+    per_param = COMPACT_STATE_BYTES_PER_PARAM if host_state == "compact" else STATE_BYTES_PER_PARAM
+    return per_param - (4 if pooled_grads else 0)
+
+
+def state_description(host_state: str | None, pooled_grads: bool = False) -> str:
+    """What :func:`state_bytes_per_param` counts, in words, for the fit check's message."""
+    base = ("compact master (bf16 + int16 halves), {grad}2 bf16 AdamW moments" if host_state == "compact"
+            else "fp32 master, {grad}2 AdamW moments")
+    return base.format(grad="" if pooled_grads else "fp32 gradient, ") + (
+        "; gradients in pooled block buffers" if pooled_grads else "")
 
 
 def check_fits(
@@ -44,16 +58,19 @@ def check_fits(
     model: str = "the model",
     hardware: str = "this hardware",
     state_bytes: int = STATE_BYTES_PER_PARAM,
+    what: str | None = None,
 ) -> int:
     """Raise ConfigError, with the numbers and what to change, when the state cannot fit host memory.
+
+    ``what`` names the state in the message (default: from ``state_bytes``, see :func:`state_description`).
 
     Returns the estimate in bytes when it fits.
     """
     need = estimate_host_bytes(num_params, state_bytes)
     have = host_memory_gb * GB
     if need > have:
-        what = ("fp32 master, gradient and 2 AdamW moments" if state_bytes == STATE_BYTES_PER_PARAM
-                else "compact master, fp32 gradient and 2 bf16 AdamW moments")
+        what = what or ("fp32 master, gradient and 2 AdamW moments" if state_bytes == STATE_BYTES_PER_PARAM
+                        else "compact master, fp32 gradient and 2 bf16 AdamW moments")
         raise ConfigError(
             f"model={model} has {_count(num_params)} parameters, whose training state needs "
             f"{_gb(need / GB)} GB of host memory ({state_bytes} B/param: {what}), but hardware={hardware} "
@@ -150,6 +167,8 @@ def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan 
         keep_activations=int(cfg.strategy.get("keep_activations") or 0),
         cache_weights=int(cfg.strategy.get("cache_weights") or 0),
         offload_inputs=bool(cfg.strategy.get("offload_inputs") or False),
+        grad_buffers=int(cfg.strategy.get("grad_buffers", 4)),
+        clip=bool(cfg.trainer.get("gradient_clip_val")),
     )
     return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
 

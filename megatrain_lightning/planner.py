@@ -119,6 +119,13 @@ class RunSettings:
     keep_activations: int = 0  # last blocks not recomputed (their activations stay on the device)
     cache_weights: int = 0  # last blocks whose weights stay on the device for the step
     offload_inputs: bool = False  # saved block inputs in pinned host memory
+    grad_buffers: int = 4  # pooled gradient buffers (MegaTrainStrategy.grad_buffers)
+    clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
+
+    @property
+    def pooled_grads(self) -> bool:
+        """Whether block gradients live in the pool rather than in full-size accumulators."""
+        return self.accumulate == 1 and self.grad_buffers > 0 and not self.clip
 
     @property
     def tokens(self) -> int:
@@ -153,19 +160,29 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------------ bytes
+def grad_host_bytes(shape: PlanShape, run: RunSettings) -> float:
+    """fp32 gradients on the host: full-size accumulators, or the pool plus the stores larger than a block."""
+    if not run.pooled_grads:
+        return GRAD_B * shape.total_params
+    own = shape.resident_params if shape.resident_params > shape.largest_block else 0
+    return GRAD_B * (run.grad_buffers * shape.largest_block + own)
+
+
 def host_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
-    """Host memory by item: 16 B/param of state (compact: 12), pinned gradient staging, the process."""
+    """Host memory by item: 16 B/param of state (compact: 12; less with pooled gradients), pinned
+    gradient staging, the process."""
     grad_path = max(shape.largest_block, shape.resident_params)  # _GradPath's numel: slabs and staging
+    grad_item = f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads else "fp32 grad accumulator (4 B/param)"
     if run.compact_state:
         state = {
             "master, bf16 + int16 halves (4 B/param)": MASTER_B * shape.total_params,
-            "fp32 grad accumulator (4 B/param)": GRAD_B * shape.total_params,
+            grad_item: grad_host_bytes(shape, run),
             "AdamW moments, bf16 (4 B/param)": MOMENTS_B // 2 * shape.total_params,
         }
     else:
         state = {
             "fp32 master (4 B/param)": MASTER_B * shape.total_params,
-            "fp32 grad accumulator (4 B/param)": GRAD_B * shape.total_params,
+            grad_item: grad_host_bytes(shape, run),
             "AdamW moments (8 B/param)": MOMENTS_B * shape.total_params,
         }
     saved_input = run.tokens * shape.hidden * 4
@@ -184,7 +201,7 @@ def pinned_bytes(shape: PlanShape, run: RunSettings) -> float:
     master_b = 2 if run.compact_state else MASTER_B  # compact: only the bf16 half is copied, and pinned
     host = host_bytes(shape, run)
     staged = host["grad staging (2 x grad path x 4 B)"] + host["offloaded block inputs (pinned)"]
-    return (master_b + GRAD_B) * shape.total_params + staged
+    return master_b * shape.total_params + grad_host_bytes(shape, run) + staged
 
 
 def block_activations_per_token(shape: PlanShape) -> float:
@@ -344,11 +361,12 @@ def make_plan(shape: PlanShape, run: RunSettings, hw: HardwareProfile, model: st
     host_total = sum(host.values())
     host_available = hw.host_memory_gb * GB
     if refuse and host_total > host_available:
-        per_param = 12 if run.compact_state else MASTER_B + GRAD_B + MOMENTS_B
-        state = per_param * shape.total_params
+        state = host_total - host["grad staging (2 x grad path x 4 B)"] - host["offloaded block inputs (pinned)"] \
+            - PROCESS_OVERHEAD_GB * GB
+        per_param = state / shape.total_params
         raise ConfigError(
             f"model={model} ({shape.total_params / 1e9:.2f} B parameters) needs {host_total / GB:,.1f} GB of host "
-            f"memory ({state / GB:,.1f} GB of master, gradient and AdamW state at {per_param} B/param, "
+            f"memory ({state / GB:,.1f} GB of master, gradient and AdamW state at {per_param:.1f} B/param, "
             f"{(host_total - state) / GB:.1f} GB staging and process), but hardware={hw.name} has "
             f"{hw.host_memory_gb:,.0f} GB: choose a smaller model or a profile with more host memory "
             f"(or set hardware.host_memory_gb if the profile is wrong for this machine)"

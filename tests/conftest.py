@@ -53,8 +53,9 @@ class Recorder(Callback):
     losses:      `outputs["loss"]` of every micro-batch (Lightning divides it by
                  `accumulate_grad_batches`, identically for both strategies)
     lrs:         the learning rate of every param group of the first optimizer, per micro-batch
-    grad_norms:  per optimizer step, {parameter name: (grad device type, grad L2 norm)} as seen in
-                 `on_before_optimizer_step`, i.e. before gradient clipping
+
+    It hooks nothing between the backward and the optimizer step, so MegaTrainStrategy runs its default
+    path (host updates overlapped with the backward, pooled gradient buffers); see GradNormRecorder.
     """
 
     def __init__(self) -> None:
@@ -67,6 +68,15 @@ class Recorder(Callback):
         self.losses.append(float(loss))
         self.lrs.append([float(g["lr"]) for g in trainer.optimizers[0].param_groups])
 
+    def global_grad_norms(self) -> list[float]:
+        return [math.sqrt(sum(n * n for _, n in step.values())) for step in self.grad_norms]
+
+
+class GradNormRecorder(Recorder):
+    """Also records, per optimizer step, {parameter name: (grad device type, grad L2 norm)} as seen in
+    `on_before_optimizer_step`, i.e. before gradient clipping. A hook there must see every gradient, so
+    MegaTrainStrategy then steps after the backward instead of overlapping it."""
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.grad_norms.append(
             {
@@ -76,8 +86,6 @@ class Recorder(Callback):
             }
         )
 
-    def global_grad_norms(self) -> list[float]:
-        return [math.sqrt(sum(n * n for _, n in step.values())) for step in self.grad_norms]
 
 
 @dataclass
@@ -130,6 +138,7 @@ def fit(
     precision: str = "32-true",
     callbacks: Sequence[Callback] = (),
     ckpt_path: str | None = None,
+    record_grad_norms: bool = False,
     **trainer_kwargs: Any,
 ) -> RunResult:
     """Build the module from `seed`, train it with `strategy`, return what was recorded.
@@ -142,7 +151,7 @@ def fit(
     pl.seed_everything(seed, verbose=False)
     module = factory()
     init_state = _clone_state(module)
-    recorder = Recorder()
+    recorder = GradNormRecorder() if record_grad_norms else Recorder()
     kwargs: dict[str, Any] = dict(
         accelerator=accelerator,
         devices=1,

@@ -115,7 +115,8 @@ def test_lasting_host_state_is_8_bytes_per_parameter() -> None:
     for store in stores:
         assert store.master.dtype == torch.bfloat16 and store.master_low.dtype == torch.int16
         assert store.exp_avg.dtype == store.exp_avg_sq.dtype == torch.bfloat16
-        assert store.grad.dtype == torch.float32  # transient, 4 B
+        # transient, 4 B: a pooled buffer that went back after the overlapped update, or the store's own
+        assert store.grad is None or store.grad.dtype == torch.float32
         buffers = (store.master, store.master_low, store.exp_avg, store.exp_avg_sq)
         lasting = sum(t.numel() * t.element_size() for t in buffers)
         assert lasting == store.lasting_bytes() == 8 * store.numel
@@ -261,9 +262,12 @@ def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> N
 
     shape = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
                       layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
-    fp32 = RunSettings(micro_batch=2, seq_len=3)
+    fp32 = RunSettings(micro_batch=2, seq_len=3, grad_buffers=0)  # every block its own fp32 gradient buffer
     compact = dataclasses.replace(fp32, compact_state=True)
     assert list(host_bytes(shape, compact).values())[:3] == [4000, 4000, 4000]  # master halves, grad, moments
+    # pooled gradient buffers (the default when nothing accumulates): 2 blocks' worth + the larger resident store
+    pooled = dataclasses.replace(compact, grad_buffers=2)
+    assert list(host_bytes(shape, pooled).values())[:3] == [4000, 4 * (2 * 300 + 400), 4000]
     assert sum(list(host_bytes(shape, fp32).values())[:3]) == 16000
     assert pinned_bytes(shape, compact) == 6000  # the bf16 halves and the gradients
     hw = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision="bf16-mixed", device_memory_gb=2,
@@ -272,6 +276,7 @@ def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> N
     h2d = step_times(shape, compact, hw)["host->device copies"] / step_times(shape, fp32, hw)["host->device copies"]
     assert 0.5 < h2d < 1  # block weights at 2 B instead of 4; resident ones still 4
     assert state_bytes_per_param("compact") == 12 and state_bytes_per_param(None) == 16
+    assert state_bytes_per_param("compact", pooled_grads=True) == 8 and state_bytes_per_param("fp32", True) == 12
     assert check_fits(10**9, 12.0, state_bytes=12) == 12 * 10**9
     with pytest.raises(Exception, match=r"12 B/param: compact master"):
         check_fits(10**9, 11.9, state_bytes=12)

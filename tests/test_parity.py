@@ -123,7 +123,7 @@ def test_parity_accumulate_and_clip(name: str, optimizer: str, lr: float) -> Non
     SGD is what makes a wrong clip visible (Adam is nearly invariant to a uniform gradient scale),
     so SGD runs here too; the test also checks that skipping the clip would have been caught."""
     factory = partial(ZOO[name], optimizer=optimizer, lr=lr, scheduler=True)
-    kwargs = dict(max_steps=5, accumulate_grad_batches=2)
+    kwargs = dict(max_steps=5, accumulate_grad_batches=2, record_grad_norms=True)
     ref, got = run_parity(factory, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", **kwargs)
     assert len(ref.losses) == 10 and ref.trainer.global_step == 5
     # The unclipped global norm (seen in on_before_optimizer_step, before clipping) exceeds the

@@ -152,6 +152,8 @@ class FlatStore:
             torch.zeros(self.layout.numel, dtype=torch.int16) if self.compact and compensate else None
         )
         self.grad: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+        self.grad_lent = False  # grad is a pooled buffer (see _GradPath), not the store's own
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
         low_views = self.layout.views(self.master_low) if self.master_low is not None else None
@@ -183,12 +185,31 @@ class FlatStore:
         return self.layout.numel
 
     def grad_buffer(self) -> torch.Tensor:
-        """The fp32 gradient accumulator (pinned: the device→host copy lands in it directly)."""
+        """The fp32 gradient accumulator (pinned: the device→host copy lands in it directly).
+
+        The store's own buffer, allocated on first use, unless a pooled buffer is lent right now
+        (:meth:`lend_grad`).
+        """
         if self.grad is None:
             self.grad = self._pins.empty(self.layout.numel)
             self.grad.zero_()
             self.grad_views = self.layout.views(self.grad)
         return self.grad
+
+    def lend_grad(self, buffer: torch.Tensor) -> None:
+        """Use ``buffer`` (pinned fp32, at least ``numel`` long) as the gradient accumulator until
+        :meth:`return_grad`: one step's gradients, when nothing accumulates, need no buffer of their own."""
+        assert self.grad is None, "the store already has a gradient buffer"
+        self.grad = buffer[: self.layout.numel]
+        self.grad_views = self.layout.views(self.grad)
+        self.grad_lent = True
+
+    def return_grad(self) -> None:
+        """Give the lent buffer back: parameters whose ``.grad`` is a view of it lose it (set to None)."""
+        for p, view in zip(self.layout.params, self.grad_views):
+            if p.grad is view:
+                p.grad = None
+        self.grad, self.grad_views, self.grad_lent = None, [], False
 
     def moment_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's first and second moments, zero-initialised on first use (pageable: never copied).

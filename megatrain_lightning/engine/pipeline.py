@@ -21,6 +21,7 @@ ordered by futures.
 from __future__ import annotations
 
 import contextlib
+import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
@@ -88,7 +89,15 @@ class CopyCounters:
 class _GradPath:
     """Device slabs → pinned host memory → fp32 accumulators, for blocks and resident parameters."""
 
-    def __init__(self, streams: _Streams, numel: int, device: torch.device, pins: PinnedRegistry) -> None:
+    def __init__(
+        self,
+        streams: _Streams,
+        numel: int,
+        device: torch.device,
+        pins: PinnedRegistry,
+        pool_buffers: int = 0,
+        pool_numel: int = 0,
+    ) -> None:
         self.streams = streams
         self.numel = numel
         self.device = device
@@ -107,6 +116,14 @@ class _GradPath:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
         self.pending: list[Future] = []  # gradient accumulation jobs
         self.updates: list[Future] = []  # overlapped optimizer updates
+        # Pooled gradient buffers: a store whose update runs as soon as its gradients land (and that
+        # holds no gradient to add to) borrows one instead of keeping a full-size accumulator of its own.
+        # Buffer lifetime: from the store's device→host copy to the end of its update on the worker.
+        self.pool_buffers = pool_buffers
+        self.pool_numel = pool_numel
+        self.pool_free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.pool_made = 0
+        self.lent = 0  # buffers lent over the run (for tests and logs)
 
     def send(
         self,
@@ -133,6 +150,9 @@ class _GradPath:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32
         self.slab_written[k].record(compute)
 
+        lent = None
+        if then is not None and store.grad is None and all(p.grad is None for p in layout.params):
+            lent = self._lend(store)
         host = store.grad_buffer()
         fresh = [g is not None and p.grad is None for p, g in zip(layout.params, grads)]
         held = [p.grad is not None for p in layout.params]
@@ -155,7 +175,25 @@ class _GradPath:
             self.busy[id(store)] = fut
             self.pending.append(fut)
         elif then is not None:
-            self.updates.append(self.worker.submit(self._after_copy, done, store, then))
+            self.updates.append(self.worker.submit(self._after_copy, done, store, then, lent, self.pool_free))
+
+    def _lend(self, store: FlatStore) -> torch.Tensor | None:
+        """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger)."""
+        if self.pool_buffers == 0 or store.numel > self.pool_numel:
+            return None
+        try:
+            buf = self.pool_free.get_nowait()
+        except queue.Empty:
+            if self.pool_made < self.pool_buffers:
+                buf = self.pins.empty(self.pool_numel)
+                self.pool_made += 1
+            else:
+                # Host wait: every buffer is lent to a queued update; the worker returns one when an
+                # update is done (the device runs ahead by `pool_buffers` blocks at most).
+                buf = self.pool_free.get()
+        store.lend_grad(buf)
+        self.lent += 1
+        return buf
 
     def _busy(self, store: FlatStore) -> bool:
         fut = self.busy.get(id(store))
@@ -173,9 +211,20 @@ class _GradPath:
         return self.staging[j][:n]
 
     @staticmethod
-    def _after_copy(done: Any, store: FlatStore, then: Callable[[FlatStore], None]) -> None:
+    def _after_copy(
+        done: Any,
+        store: FlatStore,
+        then: Callable[[FlatStore], None],
+        lent: torch.Tensor | None,
+        pool: "queue.SimpleQueue[torch.Tensor]",
+    ) -> None:
         done.synchronize()  # host worker: the D2H copy into the accumulator has landed
-        then(store)
+        try:
+            then(store)
+        finally:
+            if lent is not None:  # the update has read the gradients: the buffer goes back to the pool
+                store.return_grad()
+                pool.put(lent)
 
     @staticmethod
     def _accumulate(
@@ -255,6 +304,12 @@ class StreamingEngine:
         host_state: ``"fp32"`` (16 B/param: fp32 master, gradient, Adam moments) or ``"compact"`` (12 B:
             the fp32 master split into a bf16 high half, which is what the device receives, and an int16
             low half; bf16 moments; fp32 gradient). See ``host_store.py``; Adam/AdamW only.
+        grad_buffers: pinned fp32 gradient buffers (one block each) lent to blocks whose optimizer update
+            runs as soon as their gradients land (``on_grads_final``) and that accumulate nothing: such a
+            step needs no full-size gradient accumulator (4 B/param) on the host, only these. A block's
+            ``.grad`` is released (None) once its update has read it. Blocks that accumulate, or are
+            stepped after the backward, get their own accumulator on first need. 0: always their own.
+            The device runs at most this many blocks ahead of the host optimizer.
     """
 
     def __init__(
@@ -270,8 +325,11 @@ class StreamingEngine:
         cache_weights: int = 0,
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
+        grad_buffers: int = 4,
     ) -> None:
         n_blocks = len(blocks)
+        if grad_buffers < 0:
+            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0")
         for name, value in (("keep_activations", keep_activations), ("cache_weights", cache_weights)):
             if not 0 <= value <= n_blocks:
                 raise ValueError(f"{name}={value}: must lie between 0 and the number of blocks ({n_blocks})")
@@ -315,7 +373,7 @@ class StreamingEngine:
         self._stashes: list[_Stash] = []  # saved inputs in host memory, in forward order
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         grad_numel = max([max_numel] + ([self.resident_store.numel] if self.resident_store else []))
-        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins)
+        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel)
         self.counters = CopyCounters()
 
         # Predicted call order of one micro-batch (forward, then backward) and the position in it.
