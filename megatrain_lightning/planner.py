@@ -55,6 +55,11 @@ CUDA_CONTEXT_GB = 1.0
 # peak 4 (saved log_softmax output) + 4 (nll's dense grad) + 4 (log_softmax's input grad) = 12.
 LOGIT_BYTES_FORWARD = 2 + 4 + 4
 LOGIT_BYTES_BACKWARD = 4 + 4 + 4
+# host_state="compact": its AdamW (rebuild the fp32 master from two halves, fused AdamW, split, round the
+# bf16 moments stochastically) against torch's fused fp32 AdamW on the same host, measured with
+# recipes/benchmark_host_adam.py on the 2-core development machine: 0.28x (1 thread) to 0.45x (2 threads).
+# Not yet measured on the 16-core device host; 0.4 until it is.
+COMPACT_ADAM_SPEED = 0.4
 # Host-side fp32 bytes per parameter, as engine/host_store.py allocates them.
 MASTER_B, GRAD_B, MOMENTS_B = 4, 4, 8
 
@@ -293,7 +298,7 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
     d2h_bwd = 4 * shape.total_params / (link * BIDIRECTIONAL_FACTOR)
-    adam_rate = hw.host_adam_gparams_per_s * 1e9
+    adam_rate = hw.host_adam_gparams_per_s * 1e9 * (COMPACT_ADAM_SPEED if run.compact_state else 1.0)
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
