@@ -11,6 +11,12 @@ Data flow of one micro-batch (see DESIGN.md section 4):
   a pinned staging buffer that the host worker thread adds in once the copy's event has completed.
 * the resident parameters (everything outside the blocks) live on the device during a step, as fp32
   copies of their host masters; their gradients go back the same way at the end of the backward.
+* options that spend device memory for speed: kept blocks (``keep_activations``) build their graph in
+  the forward and skip the recompute; cached blocks (``cache_weights``) own a fixed slot filled once per
+  optimizer step. One that spends link bytes for device memory: ``offload_inputs`` parks the saved
+  inputs in pinned host memory (d2h stream) and brings each back one block ahead (h2d stream).
+* a block whose update runs as soon as its gradients land, with nothing to accumulate, borrows one of
+  ``grad_buffers`` pooled pinned buffers for them instead of a full-size accumulator of its own.
 
 Ordering is by events only; the one host synchronisation per micro-batch is at the end of the backward,
 where the host optimizer needs the gradients. On a machine without CUDA the same code runs with the
