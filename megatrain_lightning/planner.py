@@ -277,7 +277,8 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     every gradient once per micro-batch back. Host work beside the backward: from the second micro-batch
     on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
     against AdamW's 28, so at 12/28 of the AdamW rate); in the last one it also runs AdamW per block as
-    its gradient lands; the resident part's update follows the backward.
+    its gradient lands, slowed by the copies that share host memory bandwidth with it; the resident
+    part's update follows the backward.
     """
     tokens = run.tokens
     rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
@@ -301,6 +302,11 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (COMPACT_ADAM_SPEED if run.compact_state else 1.0)
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
+    # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
+    # copies write 4 B/param into host memory and the re-streamed blocks' masters are read again: the
+    # update gets that much less of the same bandwidth.
+    shared = (28 + 4 + weight_b * streamed) / 28
+    adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
     if run.accumulate == 1:

@@ -76,9 +76,12 @@ def test_step_time_by_hand_names_the_link() -> None:
     assert plan.times["forward (one micro-batch)"] == pytest.approx(h2d_fwd)
     assert plan.times["backward (one micro-batch)"] == pytest.approx(d2h)
     # first micro-batch, then the last: its backward beside the host add + block AdamW, then resident AdamW
-    assert plan.step_s == pytest.approx((h2d_first + d2h) + h2d_fwd + max(d2h, add + adam_blocks) + adam_resident)
+    shared_adam = adam_blocks * (28 + 4 + 4) / 28
+    assert plan.step_s == pytest.approx((h2d_first + d2h) + h2d_fwd + max(d2h, add + shared_adam) + adam_resident)
     assert plan.bottleneck == "host->device"
     assert plan.times["host->device copies"] == pytest.approx(h2d_first + h2d_fwd + 2 * h2d_bwd)
+    # the block AdamW shares host memory bandwidth with the gradient copies (4 B) and re-streamed masters (4 B)
+    assert plan.times["host optimizer"] == pytest.approx(adam_blocks * (28 + 4 + 4) / 28 + adam_resident + add)
     # cached weights travel once per step; kept blocks are not recomputed
     cached = make_plan(SHAPE, dataclasses.replace(RUN, cache_weights=2, keep_activations=2), HW)
     assert cached.times["host->device copies"] == pytest.approx(h2d_first)
