@@ -165,6 +165,7 @@ class _GradPath:
         # Straight into the accumulator only when it holds nothing that must be kept.
         direct = all(p.grad is None for p in layout.params) and not self._busy(store)
         target = host[:n] if direct else self._take_staging(n)
+        assert lent is None or direct  # a lent buffer holds nothing yet: its store's copy lands straight in it
         # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
         done = self.slab_done[k] = self.streams.event()
         with self.streams.on(self.streams.d2h):
