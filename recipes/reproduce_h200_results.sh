@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# bash recipes/reproduce_h200_results.sh [part ...]      parts: tests 3b 7b depth 14b (default: all but 14b)
+#
+# The runs behind recipes/results/2026-11-30-h200-*.md, with the exact commands, on one H200 (the 14B part
+# needs about 230 GiB of host memory: nvidia-h200-x2). Rows go to recipes/results/<today>-h200-throughput
+# .csv/.md (and -14b for the 14B part); pytest prints the parity figures. The deepspeed_zero3_offload run
+# needs deepspeed importable (shared/GPU.md says how to carry it to a machine without network); it is
+# skipped with a message otherwise. About 4 min for tests, 5 for 3b, 3 for 7b, 3 for depth, 5 for 14b.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests 3b 7b depth)
+out="recipes/results/$(date +%F)-h200-throughput"
+bench() { python recipes/benchmark_throughput.py "$@"; }
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests)
+      python -m pytest -q -s tests/test_parity_cuda.py ;;
+    3b)
+      common=(--model qwen2_5_3b --micro-batch 8 --accumulate 1 --steps 6 --warmup 2 --out "$out")
+      bench "${common[@]}" --strategies megatrain --keep 32 --cache 36 --loss-chunk 4096
+      bench "${common[@]}" --strategies single_device
+      if python -c "import deepspeed" 2>/dev/null; then
+        bench "${common[@]}" --strategies deepspeed_zero3_offload --steps 5
+      else
+        echo "deepspeed is not importable: deepspeed_zero3_offload skipped" >&2
+      fi ;;
+    7b)
+      bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
+        --slots 3 --keep 6 --cache 28 --loss-chunk 4096 --out "$out" ;;
+    depth)
+      for layers in 28 112; do
+        bench --model qwen2_5_1_5b --layers "$layers" --strategies megatrain --micro-batch 4 --accumulate 4 \
+          --steps 4 --warmup 2 --slots 3 --offload-inputs --out "$out"
+      done ;;
+    14b)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} MACHINE=${MACHINE:-nvidia-h200-x2} bench --model qwen2_5_14b \
+        --strategies megatrain --micro-batch 8 --accumulate 1 --steps 20 --warmup 2 --keep 4 --cache 48 \
+        --loss-chunk 4096 --out "$out-14b" ;;
+    *)
+      echo "unknown part: $part (tests 3b 7b depth 14b)" >&2; exit 2 ;;
+  esac
+done
