@@ -125,7 +125,7 @@ def _one_run(args: argparse.Namespace) -> dict:
     if args.strategy == "megatrain":
         strategy = megatrain_lightning.MegaTrainStrategy(
             slots=args.slots, overlap_optimizer=not args.no_overlap, keep_activations=args.keep,
-            cache_weights=args.cache, offload_inputs=args.offload_inputs)
+            cache_weights=args.cache, offload_inputs=args.offload_inputs, host_state=args.host_state)
     elif args.strategy == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -272,6 +272,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=0, help="megatrain: keep_activations (blocks not recomputed)")
     ap.add_argument("--cache", type=int, default=0, help="megatrain: cache_weights (blocks whose weights stay)")
     ap.add_argument("--offload-inputs", action="store_true", help="megatrain: saved block inputs in host memory")
+    ap.add_argument("--host-state", default="fp32", choices=["fp32", "compact"], help="megatrain: host_state")
     ap.add_argument("--loss-chunk", type=int, default=0,
                     help="megatrain: LM head + loss in chunks of this many tokens (0: Hugging Face's full logits)")
     ap.add_argument("--sync-debug", action="store_true", help="count synchronising CUDA calls per source line")
@@ -289,7 +290,8 @@ def main() -> None:
         if strategy == "megatrain":
             label += ("-no-overlap" if args.no_overlap else "") + (f"-keep{args.keep}" if args.keep else "") + (
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
-                f"-losschunk{args.loss_chunk}" if args.loss_chunk else "")
+                f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
+                "-compact" if args.host_state == "compact" else "")
         label += f"-{args.host_threads}threads" if args.host_threads else ""
         cmd = [sys.executable, __file__, "--strategy", strategy] + [
             a for a in sys.argv[1:] if a != "--strategies" and a not in args.strategies
