@@ -167,27 +167,30 @@ class PeakMemory(Callback):
         self.reserved = torch.cuda.max_memory_reserved()
 
 
+def _depth_factory(layers: int, batch: int = 4, seq: int = 2048, hidden: int = 1024) -> Any:
+    return partial(
+        LlamaLM,
+        hidden_size=hidden,
+        num_layers=layers,
+        intermediate_size=2816,
+        num_heads=16,
+        vocab_size=8192,
+        seq_len=seq,
+        batch_size=batch,
+        n_train=3 * batch,
+        lr=1e-4,
+        scheduler=False,
+    )
+
+
 def test_cuda_peak_memory_independent_of_depth() -> None:
     hidden, batch, seq = 1024, 4, 2048
     tokens = batch * seq  # 8K tokens per micro-batch
     bytes_per_elem = 4  # block inputs are the residual stream: fp32 under bf16 autocast (fp32 embeddings, fp32 residual adds), natively too
     results: dict[int, tuple[int, int, int]] = {}
     for layers in (12, 48):
-        factory = partial(
-            LlamaLM,
-            hidden_size=hidden,
-            num_layers=layers,
-            intermediate_size=2816,
-            num_heads=16,
-            vocab_size=8192,
-            seq_len=seq,
-            batch_size=batch,
-            n_train=3 * batch,
-            lr=1e-4,
-            scheduler=False,
-        )
         mem = PeakMemory()
-        run, _ = _timed_fit(factory, "megatrain", max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
+        run, _ = _timed_fit(_depth_factory(layers, batch, seq, hidden), "megatrain", max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
         assert_is_megatrain(run)
         n_params = sum(p.numel() for p in run.module.parameters())
         results[layers] = (mem.allocated, mem.reserved, n_params)
@@ -212,22 +215,6 @@ def test_cuda_peak_memory_independent_of_depth() -> None:
         )
         ok &= deep - base <= allowed
     assert ok, f"peak GPU memory grows with depth beyond the saved block inputs: {results}"
-
-
-def _depth_factory(layers: int, batch: int = 4, seq: int = 2048, hidden: int = 1024) -> Any:
-    return partial(
-        LlamaLM,
-        hidden_size=hidden,
-        num_layers=layers,
-        intermediate_size=2816,
-        num_heads=16,
-        vocab_size=8192,
-        seq_len=seq,
-        batch_size=batch,
-        n_train=3 * batch,
-        lr=1e-4,
-        scheduler=False,
-    )
 
 
 def test_cuda_peak_memory_with_offloaded_inputs_is_flat_in_depth() -> None:
