@@ -19,8 +19,9 @@ loads such a state dict too (moments cast to its parameters' dtype, ``master_low
 
 from __future__ import annotations
 
+import time
 from itertools import chain
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -120,8 +121,8 @@ class HostOptimizer:
                 f"{' with amsgrad (or differentiable/capturable)' if isinstance(optimizer, torch.optim.Adam) else ''}. "
                 "Use MegaTrainStrategy(host_state='fp32') for other optimizers."
             )
-        self._stepped: set[int] = set()  # ids of stores updated early in this step
-        self.early_updates = 0  # stores updated during a backward, over the run (for tests and logs)
+        self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
+        self.update_seconds = 0.0  # host time spent in those overlapped updates, over the run
         # ranges[g]: per store, the layout indices of the params of group g (contiguous by construction).
         self.ranges: list[list[_Range]] = []
         for group in optimizer.param_groups:
@@ -206,13 +207,15 @@ class HostOptimizer:
         self.adopt_state()  # into the store now, whoever called load_state_dict
 
     # ------------------------------------------------------------------ step
-    def step(self) -> None:
+    def step(self, skip: Collection[int] = ()) -> None:
         """One optimizer step on the host, with the optimizer's step hooks run around it as ``step()`` would.
 
-        Stores already updated by :meth:`step_store` during this step's backward are skipped.
+        Stores whose ids are in ``skip`` were handed to an :meth:`overlap_update` of this step: they are
+        updated already, or will be by the time the engine next uses them.
         """
         opt = self.optimizer
         if not self.fast:
+            assert not skip
             opt.step()
             return
         for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
@@ -221,9 +224,9 @@ class HostOptimizer:
             for group, ranges in zip(opt.param_groups, self.ranges):
                 hyper = self._hyper(group)
                 for r in ranges:
-                    if id(r.store) not in self._stepped:
+                    if id(r.store) not in skip:
                         self._step_range(r, hyper)
-        self._stepped.clear()
+        self.early_updates += len(skip)
         for hook in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
             hook(opt, (), {})
         if hasattr(opt.step, "_wrapped_by_lr_sched"):
@@ -234,16 +237,31 @@ class HostOptimizer:
         opt = self.optimizer
         return self.fast and not _global_optimizer_pre_hooks and not opt._optimizer_step_pre_hooks
 
-    def step_store(self, store: FlatStore) -> None:
-        """Update one store's parameters now (host worker thread, during the backward); :meth:`step` skips it."""
-        with torch.no_grad():
-            for group, ranges in zip(self.optimizer.param_groups, self.ranges):
-                hyper = self._hyper(group)
-                for r in ranges:
-                    if r.store is store:
-                        self._step_range(r, hyper)
-        self._stepped.add(id(store))
-        self.early_updates += 1
+    def can_defer(self) -> bool:
+        """Whether those updates may also run on after :meth:`step` returns: no post-step hook either
+        (it must see every update done)."""
+        opt = self.optimizer
+        return self.can_overlap() and not _global_optimizer_post_hooks and not opt._optimizer_step_post_hooks
+
+    def overlap_update(self) -> Callable[[FlatStore], None]:
+        """The update of one store, to run on the host worker as soon as its gradients are final.
+
+        The hyperparameters are read now, at the start of the step: the update may run after the LR
+        scheduler has already stepped (updates run on into the next forward). The caller passes the stores
+        it ran this on to :meth:`step` as ``skip``.
+        """
+        hypers = [self._hyper(g) for g in self.optimizer.param_groups]
+
+        def update(store: FlatStore) -> None:  # host worker thread
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for hyper, ranges in zip(hypers, self.ranges):
+                    for r in ranges:
+                        if r.store is store:
+                            self._step_range(r, hyper)
+            self.update_seconds += time.perf_counter() - t0
+
+        return update
 
     def _hyper(self, group: dict[str, Any]) -> AdamHyper:
         beta1, beta2 = group["betas"]

@@ -169,6 +169,7 @@ def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan 
         offload_inputs=bool(cfg.strategy.get("offload_inputs") or False),
         grad_buffers=int(cfg.strategy.get("grad_buffers", 4)),
         clip=bool(cfg.trainer.get("gradient_clip_val")),
+        run_on=bool(cfg.strategy.get("overlap_optimizer", True)) and bool(cfg.strategy.get("overlap_next_forward", True)),
     )
     return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
 

@@ -126,6 +126,7 @@ class RunSettings:
     offload_inputs: bool = False  # saved block inputs in pinned host memory
     grad_buffers: int = 4  # pooled gradient buffers (MegaTrainStrategy.grad_buffers)
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
+    run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
 
     @property
     def pooled_grads(self) -> bool:
@@ -278,7 +279,9 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
     against AdamW's 28, so at 12/28 of the AdamW rate); in the last one it also runs AdamW per block as
     its gradient lands, slowed by the copies that share host memory bandwidth with it; the resident
-    part's update follows the backward.
+    part's update follows the backward. With ``run_on`` the block updates the backward leaves undone run
+    during the next forward instead of before it; pooled gradient buffers bound how many are left (the
+    backward waits for a free buffer), so the forward can hide at most ``grad_buffers`` blocks' updates.
     """
     tokens = run.tokens
     rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
@@ -310,10 +313,18 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
     if run.accumulate == 1:
-        step = fwd_first + max(bwd, adam_blocks) + adam_resident
+        last_host = adam_blocks  # host work in the last backward
+        before_last = fwd_first
     else:
-        step = (fwd_first + bwd) + (run.accumulate - 2) * (fwd + max(bwd, add)) + fwd + max(bwd, add + adam_blocks)
-        step += adam_resident
+        last_host = add + adam_blocks
+        before_last = (fwd_first + bwd) + (run.accumulate - 2) * (fwd + max(bwd, add)) + fwd
+    if run.run_on and not run.clip:
+        # The next step's first forward (fwd_first, as in the steady state) hides what is left over.
+        pool = min(1.0, run.grad_buffers / layers) if run.pooled_grads else 1.0
+        step = adam_resident + max(before_last + bwd, before_last + last_host - pool * adam_blocks,
+                                   before_last - fwd_first + last_host)
+    else:
+        step = before_last + max(bwd, last_host) + adam_resident
     return {
         "device compute": run.accumulate * (dev_fwd + dev_bwd),
         "host->device copies": h2d_fwd_first + (run.accumulate - 1) * h2d_fwd + run.accumulate * h2d_bwd,

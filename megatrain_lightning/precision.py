@@ -44,6 +44,8 @@ class MegaTrainPrecision(Precision):
         self.device_type = device_type
         self.engine: StreamingEngine | None = None
         self.host_optimizers: dict[int, HostOptimizer] = {}
+        # Set by the strategy per training step: the overlapped updates may run on into the next forward.
+        self.defer_updates = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -92,14 +94,16 @@ class MegaTrainPrecision(Precision):
         if kwargs:
             raise TypeError(f"MegaTrainStrategy steps the optimizer on the host without arguments, got {sorted(kwargs)}")
         closure_result = closure()
+        claimed: set[int] = set()
         if self.engine is not None:
-            self.engine.settle()
+            self.engine.settle(wait=not self.defer_updates)
+            claimed = self.engine.take_claimed()
         self._after_closure(model, optimizer)  # on_before_optimizer_step, configure_gradient_clipping
         host = self.host_optimizers.get(id(optimizer))
         if host is None:
             optimizer.step()
         else:
-            host.step()
+            host.step(skip=claimed)  # the claimed stores were (or are being) updated on the host worker
         if self.engine is not None:
             self.engine.weights_changed()
         return closure_result

@@ -104,19 +104,28 @@ def _one_run(args: argparse.Namespace) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.1, fused=True)
 
     class Timer(L.Callback):
+        """Step time = from one optimizer step's end to the next (device idle at both): everything a step
+        costs, including host updates that run on into the next step's forward (overlap_next_forward)."""
+
+        megatrain_reads_weights = False  # it only times
+
         def on_train_batch_start(self, trainer, module, batch, i) -> None:
-            if i % args.accumulate == 0:
+            if i == 0:
                 torch.cuda.synchronize()
                 self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
             if (i + 1) % args.accumulate == 0:
                 torch.cuda.synchronize()
-                steps_t.append(time.perf_counter() - self.t0)
+                t = time.perf_counter()
+                steps_t.append(t - self.t0)
+                self.t0 = t
 
     callbacks: list = [Timer()]
     if args.breakdown and args.strategy == "megatrain":
         callbacks.append(_breakdown(torch))
+    if args.profile and args.strategy == "megatrain":
+        callbacks.append(_profiler(args, trainer_ref := []))
     n_batches = args.steps * args.accumulate
     data = torch.randint(0, cfg.vocab_size, (n_batches * args.micro_batch, args.seq_len))
     loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch)
@@ -124,8 +133,9 @@ def _one_run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.host_threads)
     if args.strategy == "megatrain":
         strategy = megatrain_lightning.MegaTrainStrategy(
-            slots=args.slots, overlap_optimizer=not args.no_overlap, keep_activations=args.keep,
-            cache_weights=args.cache, offload_inputs=args.offload_inputs, host_state=args.host_state)
+            slots=args.slots, overlap_optimizer=not args.no_overlap, overlap_next_forward=not args.no_run_on,
+            keep_activations=args.keep, cache_weights=args.cache, offload_inputs=args.offload_inputs,
+            host_state=args.host_state, grad_buffers=args.grad_buffers)
     elif args.strategy == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -136,6 +146,8 @@ def _one_run(args: argparse.Namespace) -> dict:
                         max_steps=args.steps, accumulate_grad_batches=args.accumulate, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
+    if args.profile and args.strategy == "megatrain":
+        trainer_ref.append(trainer)
     torch.cuda.reset_peak_memory_stats()
     if args.sync_debug:
         _sync_debug(torch, trainer)
@@ -218,22 +230,27 @@ def _breakdown(torch):
 
     marks: dict[str, float] = {}
     adam = {"s": 0.0, "last": 0.0, "first": None}
-    orig_finish, orig_store = StreamingEngine.finish_backward, HostOptimizer.step_store
+    orig_finish, orig_update = StreamingEngine.finish_backward, HostOptimizer.overlap_update
 
     def finish(self):
         orig_finish(self)
         torch.cuda.synchronize()
         marks["bwd_end"] = time.perf_counter()
 
-    def step_store(self, store):
-        t = time.perf_counter()
-        if adam["first"] is None:
-            adam["first"] = t
-        orig_store(self, store)
-        adam["s"] += time.perf_counter() - t
-        adam["last"] = time.perf_counter()
+    def overlap_update(self):
+        update = orig_update(self)
 
-    StreamingEngine.finish_backward, HostOptimizer.step_store = finish, step_store
+        def timed(store):
+            t = time.perf_counter()
+            if adam["first"] is None:
+                adam["first"] = t
+            update(store)
+            adam["s"] += time.perf_counter() - t
+            adam["last"] = time.perf_counter()
+
+        return timed
+
+    StreamingEngine.finish_backward, HostOptimizer.overlap_update = finish, overlap_update
 
     class Breakdown(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, i) -> None:
@@ -254,6 +271,27 @@ def _breakdown(torch):
                   file=sys.stderr, flush=True)
 
     return Breakdown()
+
+
+def _profiler(args, trainer_ref: list):
+    """torch.profiler over ``--profile`` optimizer steps after the warm-up: per-stream busy times of the
+    device (compute, host→device, device→host), GPU idle, and the host optimizer's busy time on its worker
+    (recipes/profile_breakdown.py). Printed as a ``profile`` line; the trace goes to outputs/profile/."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_breakdown", Path(__file__).with_name("profile_breakdown.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def host_busy() -> float:
+        hosts = trainer_ref[0].strategy.precision_plugin.host_optimizers.values()
+        return sum(h.update_seconds for h in hosts)
+
+    def report(d: dict) -> None:
+        print("profile " + json.dumps({k: round(v, 4) for k, v in d.items()}), file=sys.stderr, flush=True)
+
+    return mod.StepProfiler(first_step=args.warmup, steps=args.profile, out_dir="outputs/profile",
+                            on_result=report, host_busy=host_busy)
 
 
 def main() -> None:
@@ -278,6 +316,10 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true", help="count synchronising CUDA calls per source line")
     ap.add_argument("--host-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--breakdown", action="store_true", help="megatrain: print per-step phase times")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="megatrain: profile this many steps after the warm-up and print the measured breakdown")
+    ap.add_argument("--no-run-on", action="store_true", help="megatrain: overlap_next_forward=False")
+    ap.add_argument("--grad-buffers", type=int, default=4, help="megatrain: grad_buffers (0: own accumulators)")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--out", default=f"recipes/results/{datetime.date.today()}-h200-throughput")
     args = ap.parse_args()
@@ -291,7 +333,8 @@ def main() -> None:
             label += ("-no-overlap" if args.no_overlap else "") + (f"-keep{args.keep}" if args.keep else "") + (
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
-                "-compact" if args.host_state == "compact" else "")
+                "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (
+                f"-gradbuf{args.grad_buffers}" if args.grad_buffers != 4 else "")
         label += f"-{args.host_threads}threads" if args.host_threads else ""
         cmd = [sys.executable, __file__, "--strategy", strategy] + [
             a for a in sys.argv[1:] if a != "--strategies" and a not in args.strategies
@@ -304,7 +347,7 @@ def main() -> None:
         if proc.returncode == 0:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{label}: step times {result.pop('step_times')} ({time.time() - t0:.0f} s with setup)")
-            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith(("breakdown", "sync-debug"))))
+            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith(("breakdown", "sync-debug", "profile", "[profile"))))
             print(f"peak GPU allocated {result.get('peak_gpu_alloc_gib')} GiB")
             row.update(result, status="ok")
         else:

@@ -54,9 +54,12 @@ class Recorder(Callback):
                  `accumulate_grad_batches`, identically for both strategies)
     lrs:         the learning rate of every param group of the first optimizer, per micro-batch
 
-    It hooks nothing between the backward and the optimizer step, so MegaTrainStrategy runs its default
-    path (host updates overlapped with the backward, pooled gradient buffers); see GradNormRecorder.
+    It hooks nothing between the backward and the optimizer step, and declares that it reads no weights
+    between steps, so MegaTrainStrategy runs its default path (host updates overlapped with the backward
+    and running on into the next forward, pooled gradient buffers); see GradNormRecorder.
     """
+
+    megatrain_reads_weights = False  # losses and learning rates only
 
     def __init__(self) -> None:
         self.losses: list[float] = []

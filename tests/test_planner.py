@@ -122,3 +122,20 @@ def test_cli_refuses_a_model_too_large_for_the_host() -> None:
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
     assert "model=qwen2_5_72b" in out.stderr and "hardware=rtx3090 has 256 GB" in out.stderr
     assert "host memory" in out.stderr
+
+
+def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
+    """Host-bound (slow host AdamW): without run-on the forward waits for every update; with it the step
+    is the host's work alone; pooled buffers leave at most `grad_buffers` blocks' updates to the forward."""
+    slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4)
+    run = dataclasses.replace(RUN, accumulate=1, grad_buffers=0)
+    adam_blocks, adam_resident = 600 / 1e5 * (28 + 4 + 4) / 28, 400 / 1e5
+    off = make_plan(SHAPE, dataclasses.replace(run, run_on=False), slow, refuse=False)
+    on = make_plan(SHAPE, run, slow, refuse=False)
+    fwd_first = off.times["forward (one micro-batch)"] + 1600 / 1e9  # + the resident fp32 masters
+    bwd = off.times["backward (one micro-batch)"]
+    assert off.step_s == pytest.approx(fwd_first + max(bwd, adam_blocks) + adam_resident)
+    assert on.step_s == pytest.approx(adam_resident + max(fwd_first + bwd, adam_blocks))
+    pooled = make_plan(SHAPE, dataclasses.replace(run, grad_buffers=1), slow, refuse=False)  # 1 of 2 blocks
+    assert pooled.step_s == pytest.approx(adam_resident + max(fwd_first + bwd, fwd_first + adam_blocks / 2, adam_blocks))
+    assert on.step_s <= pooled.step_s < off.step_s

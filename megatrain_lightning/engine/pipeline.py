@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
@@ -37,6 +37,7 @@ from torch import nn
 
 from .device_slots import BlockBinding, DeviceSlots
 from .host_store import FlatLayout, FlatStore, HostState, PinnedRegistry
+from .host_worker import HostWorker
 from .materialize import InitFn, MetaMaterializer
 from .streamed_block import CallSpec, StreamedBlock
 
@@ -119,7 +120,7 @@ class _GradPath:
         self.staging_turn = 0
         self._staged = 0
         self.busy: dict[int, Future] = {}
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        self.worker = HostWorker()
         self.pending: list[Future] = []  # gradient accumulation jobs
         self.updates: list[Future] = []  # overlapped optimizer updates
         # Pooled gradient buffers: a store whose update runs as soon as its gradients land (and that
@@ -136,11 +137,13 @@ class _GradPath:
         store: FlatStore,
         grads: Sequence[torch.Tensor | None],
         then: Callable[[FlatStore], None] | None = None,
-    ) -> None:
+        priority: int = 0,
+    ) -> Future | None:
         """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
 
         ``then(store)`` runs on the host worker once they are in the fp32 accumulator (the overlapped
-        optimizer update of that store).
+        optimizer update of that store); its future is returned. ``priority``: the store's place in the
+        next forward (see ``host_worker.py``).
         """
         layout = store.layout
         n = layout.numel
@@ -177,12 +180,19 @@ class _GradPath:
             if f:
                 p.grad = view
         if not direct:
-            fut = self.worker.submit(self._accumulate, done, store, target, fresh, held, then)
+            fut = self.worker.submit(priority, self._accumulate, done, store, target, fresh, held)
             self.staging_busy[self._staged] = fut
             self.busy[id(store)] = fut
             self.pending.append(fut)
+            if then is not None:  # a job of its own, so that draining the gradients does not wait for it
+                fut = self.worker.submit(priority, then, store)  # same priority: runs after the add
+                self.updates.append(fut)
+                return fut
         elif then is not None:
-            self.updates.append(self.worker.submit(self._after_copy, done, store, then, lent, self.pool_free))
+            fut = self.worker.submit(priority, self._after_copy, done, store, then, lent, self.pool_free)
+            self.updates.append(fut)
+            return fut
+        return None
 
     def _lend(self, store: FlatStore) -> torch.Tensor | None:
         """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger)."""
@@ -240,7 +250,6 @@ class _GradPath:
         staged: torch.Tensor,
         fresh: list[bool],
         held: list[bool],
-        then: Callable[[FlatStore], None] | None,
     ) -> None:
         """Host worker: add (or, for parameters whose ``.grad`` was None, copy) a staged gradient."""
         done.synchronize()  # the worker waits for the D2H copy, the thread feeding the GPU does not
@@ -253,8 +262,6 @@ class _GradPath:
                     view.copy_(src)
                 elif h:
                     view.add_(src)
-        if then is not None:
-            then(store)
 
     def drain(self) -> None:
         """Host sync point: every gradient of this backward is in its fp32 accumulator after this."""
@@ -274,7 +281,7 @@ class _GradPath:
     def close(self) -> None:
         self.drain()
         self.wait_updates()
-        self.worker.shutdown(wait=True)
+        self.worker.shutdown()
 
 
 class StreamingEngine:
@@ -397,6 +404,11 @@ class StreamingEngine:
         self.in_step = False
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Callable[[FlatStore], None] | None = None
+        # Futures of the overlapped updates not yet known to have run, by block (RESIDENT: the resident
+        # store). A block's weights go to the device only after its update has run: what lets the updates
+        # of one step run on into the next step's forward (``settle(wait=False)``).
+        self._updates: dict[int, Future] = {}
+        self._claimed: set[int] = set()  # ids of the stores given to ``on_grads_final`` in this step
         self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
 
         self._original_forwards: dict[int, Callable[..., Any]] = {}
@@ -461,18 +473,49 @@ class StreamingEngine:
 
     def wait_updates(self) -> None:
         """Host sync point: the overlapped optimizer updates of this step have all run."""
-        self.grads.wait_updates()
+        self._updates_done()
         self.on_grads_final = None
 
-    def settle(self) -> None:
-        """Resident parameters back to their host masters (gradients included), the worker idle.
+    def _updates_done(self) -> None:
+        self.grads.wait_updates()  # host wait; raises what an update raised
+        self._updates.clear()
+
+    def take_claimed(self) -> set[int]:
+        """Ids of the stores whose update was handed to ``on_grads_final`` since the last call: the
+        caller's optimizer step must skip them (they are updated, or will be before they are used)."""
+        claimed, self._claimed = self._claimed, set()
+        return claimed
+
+    def settle(self, wait: bool = True) -> None:
+        """Resident parameters back to their host masters (gradients included), gradients drained and,
+        with ``wait``, every overlapped update run.
+
+        ``wait=False`` lets the updates run on: each store's next trip to the device waits for its own
+        update (a host wait in :meth:`acquire` or :meth:`ensure_resident`), so the next forward starts as
+        soon as its first blocks are updated. Nothing else may read or write the host masters, moments or
+        ``.grad`` of the stores meanwhile: call ``settle()`` before that.
 
         A step may go on after it (manual optimisation steps inside ``training_step``): the next module
         that owns a resident parameter pulls them onto the device again.
         """
         self._resident_to_host(with_grads=True)
         self.grads.drain()
-        self.wait_updates()
+        if wait:
+            self.wait_updates()
+        else:
+            self.on_grads_final = None
+
+    def _await_update(self, key: int, block: bool = True) -> bool:
+        """Whether the overlapped update of ``key`` (a block, or RESIDENT) has run; with ``block``, a host
+        wait until it has. Buffer lifetime: its masters may be copied to the device only after this."""
+        fut = self._updates.get(key)
+        if fut is None:
+            return True
+        if not block and not fut.done():
+            return False
+        fut.result()  # host wait (the host optimizer is the bottleneck here); raises what it raised
+        del self._updates[key]
+        return True
 
     def weights_changed(self) -> None:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
@@ -509,6 +552,7 @@ class StreamingEngine:
             self._res_device = torch.empty(store.numel, device=self.device)
             self._res_views = store.layout.views(self._res_device)
         if self._res_stale:
+            self._await_update(RESIDENT)
             compute = self.streams.compute()
             with self.streams.on(self.streams.h2d):
                 if self.streams.cuda:
@@ -533,9 +577,12 @@ class StreamingEngine:
         self._res_on_device = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The optimizer's ``zero_grad`` ran. Mid-step (Lightning zeroes after the forward of a window's
-        first micro-batch) the resident parameters' host gradients are parked, out of its reach: clear
-        them here as it would have."""
+        """The optimizer's ``zero_grad`` is about to run. An update still running on from the last step
+        reads the gradients it would clear: wait for those first (normally done: the forward awaited them).
+        Mid-step (Lightning zeroes after the forward of a window's first micro-batch) the resident
+        parameters' host gradients are parked, out of its reach: clear them here as it would have."""
+        if self._updates:
+            self._updates_done()
         if not self._res_on_device:
             return
         if set_to_none:
@@ -556,7 +603,7 @@ class StreamingEngine:
             p.grad = saved
         self._res_on_device = False
         if with_grads and any(g is not None for g in grads):
-            self.grads.send(store, grads, self.on_grads_final)
+            self._send(RESIDENT, store, grads, self.on_grads_final)
             self.counters.bump(self.counters.d2h, RESIDENT)
 
     # ------------------------------------------------------------------ blocks
@@ -680,6 +727,7 @@ class StreamingEngine:
         s = self.slots.slot_of(block)
         if s is None:
             s = self._load(block, protect={block})
+            assert s is not None
         elif self._slot_used[s]:
             self.counters.bump(self.counters.reused, block)
         self._slot_used[s] = True
@@ -705,7 +753,8 @@ class StreamingEngine:
             if self.slots.slot_of(b) is None:
                 if b not in self.slots.fixed and self._free_slot(protect) is None:
                     return
-                self._load(b, protect)
+                if self._load(b, protect, wait=False) is None:
+                    return  # its update is still running: the next acquire tries again
 
     def _free_slot(self, protect: set[int]) -> int | None:
         """A rotating slot to load into: an empty one, else one whose block is not about to run."""
@@ -718,7 +767,11 @@ class StreamingEngine:
                 return s
         return None
 
-    def _load(self, block: int, protect: set[int]) -> int:
+    def _load(self, block: int, protect: set[int], wait: bool = True) -> int | None:
+        """Copy ``block``'s weights into a slot, once its update (if one is running on) has run; without
+        ``wait``, None instead of waiting for that."""
+        if not self._await_update(block, block=wait):
+            return None
         s = self.slots.fixed.get(block)
         if s is None:
             s = self._free_slot(protect)
@@ -746,8 +799,16 @@ class StreamingEngine:
         left = self._calls.get(block, 1) - 1
         self._calls[block] = left
         final = left <= 0  # a block called twice in the forward is final after its second backward
-        self.grads.send(self.stores[block], grads, self.on_grads_final if final else None)
+        self._send(block, self.stores[block], grads, self.on_grads_final if final else None)
         self.counters.bump(self.counters.d2h, block)
+
+    def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None],
+              then: Callable[[FlatStore], None] | None) -> None:
+        # The worker runs jobs in the next forward's order: the resident part (embeddings) first.
+        fut = self.grads.send(store, grads, then, priority=key)
+        if fut is not None:
+            self._updates[key] = fut
+            self._claimed.add(id(store))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -1,0 +1,189 @@
+"""Host updates that run on into the next forward (``overlap_next_forward``).
+
+The host optimizer is slowed down here (each store's update sleeps), so that the backward always ends
+with updates still queued. Then:
+
+* the worker runs them earliest deadline first: the resident part (embeddings), then the blocks in
+  forward order, whatever order their gradients came in;
+* the next step's forward starts before the last of them has run, and training is still exact (parity
+  with Lightning's default strategy, with an LR scheduler that changes the rate every step);
+* whatever reads the weights between steps sees the finished step: the strategy's ``state_dict``, and any
+  module hook or undeclared callback between steps, which turn the run-on off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import assert_parity, fit, megatrain
+from megatrain_lightning.engine import RESIDENT
+from megatrain_lightning.engine.host_worker import HostWorker
+from megatrain_lightning.engine.pipeline import StreamingEngine
+from megatrain_lightning.optim import HostOptimizer
+from zoo import ZOO
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+SLOW = 0.1  # seconds per store update: far longer than a tiny model's whole backward
+
+
+class Timeline:
+    """Wraps the host updates (slowed) and the engine's weight acquisitions, with times and keys."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, int, float]] = []  # (what, key, time)
+        self.lock = threading.Lock()
+        step_range, acquire = HostOptimizer._step_range, StreamingEngine.acquire
+        timeline = self
+        self.engine: StreamingEngine | None = None
+
+        def slow_step_range(host: HostOptimizer, r: Any, hyper: Any) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(SLOW)
+            step_range(host, r, hyper)
+            if threading.current_thread() is not threading.main_thread():
+                timeline.log("update", timeline.key_of(r.store))
+
+        def logged_acquire(engine: StreamingEngine, block: int) -> Any:
+            timeline.engine = engine
+            out = acquire(engine, block)
+            timeline.log("acquire", block)
+            return out
+
+        monkeypatch.setattr(HostOptimizer, "_step_range", slow_step_range)
+        monkeypatch.setattr(StreamingEngine, "acquire", logged_acquire)
+
+    def key_of(self, store: Any) -> int:
+        assert self.engine is not None
+        return RESIDENT if store is self.engine.resident_store else self.engine.stores.index(store)
+
+    def log(self, what: str, key: int) -> None:
+        with self.lock:
+            self.events.append((what, key, time.perf_counter()))
+
+    def updates(self) -> list[int]:
+        return [k for what, k, _ in self.events if what == "update"]
+
+
+def test_updates_run_earliest_deadline_first_into_the_next_forward_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory = partial(ZOO["llama"], optimizer="adamw", lr=3e-3, scheduler=True)
+    ref = fit(factory, None, max_steps=3)
+    timeline = Timeline(monkeypatch)
+    got = fit(factory, megatrain(), max_steps=3)
+    assert_parity(ref, got)
+
+    n_blocks = len(timeline.engine.stores)  # type: ignore[union-attr]
+    per_step = n_blocks + 1
+    updates = timeline.updates()
+    assert len(updates) == 3 * per_step
+    for step in range(3):
+        # The worker starts on whatever has landed when it wakes (the last block, or already more); once
+        # that update is done the backward is over, and the rest go in the next forward's order: the
+        # resident part, then the blocks. (In arrival order they would come last block first.)
+        order = updates[step * per_step:(step + 1) * per_step]
+        assert sorted(order) == [RESIDENT, *range(n_blocks)]
+        assert order[1:] == sorted(order[1:]), order
+
+    # The second step's forward took block 0 before the first step's last update had run.
+    events = timeline.events
+    last_update_of_step_1 = [t for what, _, t in events if what == "update"][per_step - 1]
+    forward_acquires = [t for what, k, t in events if what == "acquire" and k == 0]
+    # acquisitions of block 0 per step: the forward's, then the recompute's (it is not kept)
+    second_forward = forward_acquires[2]
+    assert second_forward < last_update_of_step_1
+
+
+def test_host_worker_runs_the_lowest_priority_first_and_fifo_among_equals() -> None:
+    worker = HostWorker()
+    gate, ran = threading.Event(), []
+    first = worker.submit(5, gate.wait)  # holds the worker while the others queue up
+    futures = [worker.submit(p, ran.append, name) for p, name in [(3, "c"), (1, "a1"), (2, "b"), (-1, "r"), (1, "a2")]]
+    gate.set()
+    for f in futures:
+        f.result(timeout=5)
+    assert first.result() is True
+    assert ran == ["r", "a1", "a2", "b", "c"]
+    failing = worker.submit(0, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=5)  # an update's error reaches whoever waits for it
+    late = worker.submit(9, ran.append, "late")
+    worker.shutdown()  # runs what is queued first
+    assert late.done() and ran[-1] == "late"
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(0, ran.append, "x")
+
+
+class HookedLlama(ZOO["llama"]):  # type: ignore[misc, valid-type]
+    """A module hook between steps: it may read the weights, so the step must be finished by then."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pending = self.trainer.strategy.engine.grads.updates
+        self.pending_seen = getattr(self, "pending_seen", 0) + len(pending)
+
+
+class PendingProbe(L.Callback):
+    def __init__(self, reads_weights: bool | None) -> None:
+        if reads_weights is not None:
+            self.megatrain_reads_weights = reads_weights
+        self.pending: list[int] = []
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.pending.append(sum(not f.done() for f in trainer.strategy.engine.grads.updates))
+        if self.megatrain_reads_weights is False:
+            # through the strategy: it waits for the updates still running
+            state = trainer.strategy.lightning_module_state_dict()
+            self.states.append({k: v.detach().clone() for k, v in state.items()})
+
+    megatrain_reads_weights: bool | None = None
+
+
+class StateRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.states.append({k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def test_state_dict_between_steps_is_the_finished_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory = partial(ZOO["llama"], optimizer="adamw", lr=3e-3)
+    native = StateRecorder()
+    fit(factory, None, max_steps=3, callbacks=[native])
+    Timeline(monkeypatch)
+    probe = PendingProbe(reads_weights=False)
+    fit(factory, megatrain(), max_steps=3, callbacks=[probe])
+    assert all(n > 0 for n in probe.pending)  # the updates were still running at the hook...
+    for ref, got in zip(native.states, probe.states, strict=True):  # ...and state_dict waited for them
+        for name, a in ref.items():
+            torch.testing.assert_close(got[name], a, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("who", ["module hook", "undeclared callback", "callback that reads weights"])
+def test_anything_that_may_read_weights_between_steps_turns_the_run_on_off(who: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    Timeline(monkeypatch)
+    if who == "module hook":
+        module_factory = partial(HookedLlama, optimizer="adamw", lr=3e-3)
+        callbacks: list[L.Callback] = []
+    else:
+        module_factory = partial(ZOO["llama"], optimizer="adamw", lr=3e-3)
+        callbacks = [PendingProbe(reads_weights=None if who == "undeclared callback" else True)]
+    run = fit(module_factory, megatrain(), max_steps=2, callbacks=callbacks)
+    if who == "module hook":
+        assert run.module.pending_seen == 0
+    else:
+        assert callbacks[0].pending == [0, 0]  # every update had run before the hook
+
+
+def test_run_on_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    Timeline(monkeypatch)
+    probe = PendingProbe(reads_weights=False)
+    fit(partial(ZOO["llama"], optimizer="adamw", lr=3e-3), megatrain(overlap_next_forward=False), max_steps=2, callbacks=[probe])
+    assert probe.pending == [0, 0]
