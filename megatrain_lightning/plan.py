@@ -165,6 +165,7 @@ def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan 
         bf16=str(hw.precision).startswith("bf16"),
         compact_state=cfg.strategy.get("host_state") == "compact",
         keep_activations=int(cfg.strategy.get("keep_activations") or 0),
+        kept_saves_matmuls=cfg.strategy.get("kept_saves", "all") == "matmuls",
         cache_weights=int(cfg.strategy.get("cache_weights") or 0),
         offload_inputs=bool(cfg.strategy.get("offload_inputs") or False),
         grad_buffers=int(cfg.strategy.get("grad_buffers", 4)),

@@ -122,6 +122,7 @@ class RunSettings:
     bf16: bool = True  # compute dtype bf16 (slots stage fp32 then cast); False: fp32 everywhere
     compact_state: bool = False  # host_state="compact": 8 B/param lasting state, bf16 weight copies
     keep_activations: int = 0  # last blocks not recomputed (their activations stay on the device)
+    kept_saves_matmuls: bool = False  # kept_saves="matmuls": kept blocks hold matmul/attention outputs only
     cache_weights: int = 0  # last blocks whose weights stay on the device for the step
     offload_inputs: bool = False  # saved block inputs in pinned host memory
     grad_buffers: int = 4  # pooled gradient buffers (MegaTrainStrategy.grad_buffers)
@@ -216,6 +217,13 @@ def block_activations_per_token(shape: PlanShape) -> float:
     return 30 * h + 6 * kv + 8 * inter
 
 
+def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
+    """Bytes per token a kept block holds with ``kept_saves="matmuls"``: its fp32 input (4h) and the bf16
+    outputs of q/k/v (2h + 4kv), attention (2h), o_proj (2h), gate and up (4I) and down (2h)."""
+    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
+    return 12 * h + 4 * kv + 4 * inter
+
+
 def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float:
     """Device bytes of one block's recompute and backward (a dense decoder layer, memory-efficient SDPA).
 
@@ -250,7 +258,8 @@ def gpu_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
         "resident params + grads (8 B/param)": 8 * shape.resident_params,
         "LM head autocast copy (2 B/param)": 2 * shape.head_params if run.bf16 else 0,
         "saved block inputs (fp32)": (min(saved, 2) if run.offload_inputs else saved) * tokens * shape.hidden * 4,
-        f"saved: kept activations ({keep} blocks)": keep * tokens * block_activations_per_token(shape) * scale,
+        f"saved: kept activations ({keep} blocks)": keep * tokens * scale * (
+            kept_matmul_outputs_per_token(shape) if run.kept_saves_matmuls else block_activations_per_token(shape)),
         "transient: loss (logits)": logit_tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD),
         "transient: one block's recompute": block_working_set(shape, tokens, run.bf16),
     }

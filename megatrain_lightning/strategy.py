@@ -27,7 +27,7 @@ from typing_extensions import override
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .engine.host_store import HOST_STATES, HostState
-from .engine.pipeline import StreamingEngine
+from .engine.pipeline import KEPT_SAVES, KeptSaves, StreamingEngine
 from .optim import HostOptimizer, chain_zero_grad
 from .init import initializer_for
 from .precision import MegaTrainPrecision
@@ -71,6 +71,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             costs one block's activations at the micro-batch size (a 7B layer at 16 K tokens: ~3.5 GB)
             and saves a third of that block's device work plus two weight copies per micro-batch. Spend
             spare device memory here first; ``python -m megatrain_lightning.plan`` shows how much is spare.
+        kept_saves: what each kept block holds on the device: ``"all"`` (default) its activations as
+            autograd saves them; ``"matmuls"`` its input and its matmul and attention outputs only, the
+            backward recomputing the elementwise ops from them (norms, rotary, activation, residual adds:
+            a few percent of the block's time). A 7B layer then keeps ~12h + 4kv + 4I bytes per token
+            instead of ~30h + 6kv + 8I (121 KB instead of 262 KB), so about twice as many blocks fit.
         cache_weights: how many of the last blocks keep their compute-dtype weights on the device for
             the whole optimizer step (at least ``keep_activations``): one host→device copy per step
             instead of two per micro-batch, at one block of weights each (a 7B layer: 0.47 GB in bf16).
@@ -109,6 +114,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         overlap_next_forward: bool = True,
         meta_init: bool = True,
         keep_activations: int = 0,
+        kept_saves: KeptSaves = "all",
         cache_weights: int = 0,
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
@@ -132,6 +138,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if keep_activations < 0 or cache_weights < 0:
             raise ValueError(f"keep_activations={keep_activations}, cache_weights={cache_weights}: counts of blocks, >= 0")
         self.keep_activations = keep_activations
+        if kept_saves not in KEPT_SAVES:
+            raise ValueError(f"kept_saves={kept_saves!r}: expected one of {KEPT_SAVES}")
+        self.kept_saves = kept_saves
         self.cache_weights = cache_weights
         self.offload_inputs = offload_inputs
         if host_state not in HOST_STATES:
@@ -213,6 +222,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             pin_memory=self.pin_memory,
             init=initializer_for(module),
             keep_activations=min(self.keep_activations, len(blocks)),
+            kept_saves=self.kept_saves,
             cache_weights=min(self.cache_weights, len(blocks)),
             offload_inputs=self.offload_inputs,
             host_state=self.host_state,

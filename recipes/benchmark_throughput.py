@@ -134,7 +134,7 @@ def _one_run(args: argparse.Namespace) -> dict:
     if args.strategy == "megatrain":
         strategy = megatrain_lightning.MegaTrainStrategy(
             slots=args.slots, overlap_optimizer=not args.no_overlap, overlap_next_forward=not args.no_run_on,
-            keep_activations=args.keep, cache_weights=args.cache, offload_inputs=args.offload_inputs,
+            keep_activations=args.keep, kept_saves=args.kept_saves, cache_weights=args.cache, offload_inputs=args.offload_inputs,
             host_state=args.host_state, grad_buffers=args.grad_buffers)
     elif args.strategy == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -318,6 +318,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="megatrain: print per-step phase times")
     ap.add_argument("--profile", type=int, default=0,
                     help="megatrain: profile this many steps after the warm-up and print the measured breakdown")
+    ap.add_argument("--kept-saves", default="all", choices=["all", "matmuls"], help="megatrain: kept_saves")
     ap.add_argument("--no-run-on", action="store_true", help="megatrain: overlap_next_forward=False")
     ap.add_argument("--grad-buffers", type=int, default=4, help="megatrain: grad_buffers (0: own accumulators)")
     ap.add_argument("--timeout", type=int, default=540)
@@ -331,6 +332,7 @@ def main() -> None:
         label = strategy
         if strategy == "megatrain":
             label += ("-no-overlap" if args.no_overlap else "") + (f"-keep{args.keep}" if args.keep else "") + (
+                "-matmuls" if args.kept_saves == "matmuls" else "") + (
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
                 "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (

@@ -8,10 +8,14 @@ blocks one per optimizer step, offloaded inputs leave the device between forward
 
 from __future__ import annotations
 
+import collections
 from functools import partial
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import megatrain, run_parity
 from megatrain_lightning import MegaTrainStrategy
@@ -26,6 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 OPTIONS = {
     "keep2": dict(keep_activations=2),
     "keep-all": dict(keep_activations=99),  # more than the blocks: every block kept
+    "keep2-matmuls": dict(keep_activations=2, kept_saves="matmuls"),
+    "keep-all-matmuls-offload": dict(keep_activations=99, kept_saves="matmuls", offload_inputs=True),
     "cache3-keep1": dict(cache_weights=3, keep_activations=1, slots=3),
     "offload": dict(offload_inputs=True),
     "offload-keep1-cache2": dict(offload_inputs=True, keep_activations=1, cache_weights=2),
@@ -37,7 +43,7 @@ def test_parity_llama_adamw(option: str) -> None:
     run_parity(partial(ZOO["llama"], optimizer="adamw", lr=3e-3, scheduler=True), megatrain(**OPTIONS[option]), max_steps=6)
 
 
-@pytest.mark.parametrize("option", ["keep2", "offload-keep1-cache2"])
+@pytest.mark.parametrize("option", ["keep2", "offload-keep1-cache2", "keep2-matmuls"])
 def test_parity_dropout_and_two_block_lists(option: str) -> None:
     """Dropout masks (encoder) and a second differentiable input per block (nn.Transformer's memory)."""
     for name in ("encoder", "transformer"):
@@ -136,3 +142,49 @@ def test_offloaded_inputs_are_not_held_by_the_graph() -> None:
         for h in hooks:
             h.remove()
         engine.close()
+
+
+class OpCounter(L.Callback):
+    """Counts aten ops run during each backward (on the CPU the backward runs on the calling thread)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.mode: Any = None
+
+    def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: torch.Tensor) -> None:
+        counts = self.counts
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                counts[func] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.mode.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("depth", [3])
+def test_kept_blocks_saving_matmuls_recompute_elementwise_ops_only(depth: int) -> None:
+    """A recomputed block reruns its matmuls in the backward; a kept one does not; a kept one that saves
+    only matmul outputs reruns its elementwise ops (here the GELU) but still not its matmuls."""
+    seen = {}
+    for name, kw in {"recomputed": {}, "kept": dict(keep_activations=depth),
+                     "kept-matmuls": dict(keep_activations=depth, kept_saves="matmuls")}.items():
+        probe = OpCounter()
+        _trainer(MegaTrainStrategy(**kw), max_steps=1, callbacks=[probe]).fit(BlockNet(depth=depth), _loader())
+        seen[name] = probe.counts
+    aten = torch.ops.aten
+    linear = lambda c: c[aten.addmm.default] + c[aten.mm.default]  # noqa: E731
+    assert seen["recomputed"][aten.gelu.default] == depth
+    assert seen["kept"][aten.gelu.default] == 0
+    assert seen["kept-matmuls"][aten.gelu.default] == depth
+    assert linear(seen["kept"]) == linear(seen["kept-matmuls"]) < linear(seen["recomputed"])
+    assert linear(seen["recomputed"]) - linear(seen["kept"]) == 2 * depth  # fc1 and fc2, forward again
+
+
+def test_unknown_kept_saves_is_refused() -> None:
+    with pytest.raises(ValueError, match="kept_saves"):
+        MegaTrainStrategy(kept_saves="some")

@@ -326,3 +326,26 @@ def test_cuda_compact_state_trains_like_fp32_state() -> None:
     assert len(got.losses) == steps
     assert last10(ref) <= 0.8 * ref.losses[0]  # it learned
     assert abs(last10(got) / last10(ref) - 1) <= 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) kept blocks that save only matmul and attention outputs: same training, less device memory
+# ---------------------------------------------------------------------------------------------
+def test_cuda_kept_blocks_saving_matmuls_use_less_memory_and_train_the_same() -> None:
+    layers = 8
+    results: dict[str, tuple[int, list[float]]] = {}
+    for saves in ("all", "matmuls"):
+        mem = PeakMemory()
+        run, _ = _timed_fit(_depth_factory(layers), megatrain(keep_activations=layers, cache_weights=layers, kept_saves=saves),
+                            max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
+        assert_is_megatrain(run)
+        results[saves] = (mem.allocated, run.losses)
+        del run
+        _free_cuda()
+    gib = 2**30
+    (all_b, all_l), (mm_b, mm_l) = results["all"], results["matmuls"]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(all_l, mm_l))
+    print(f"\n(g) bf16-mixed, {layers} of {layers} blocks kept, 8K tokens: peak allocated {all_b / gib:.3f} GiB saving all, "
+          f"{mm_b / gib:.3f} GiB saving matmul outputs ({mm_b / all_b:.2f}x); worst loss rel diff {worst:.2e}")
+    assert mm_b < 0.8 * all_b
+    assert worst < 1e-2  # bf16: recomputed elementwise ops may round differently from the first pass

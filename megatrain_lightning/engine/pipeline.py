@@ -30,7 +30,7 @@ import contextlib
 import queue
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Literal, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from .materialize import InitFn, MetaMaterializer
 from .streamed_block import CallSpec, StreamedBlock
 
 RESIDENT = -1  # counter key of the resident parameters
+KeptSaves = Literal["all", "matmuls"]
+KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
 
 
 class _NoEvent:
@@ -307,6 +309,11 @@ class StreamingEngine:
             its weights per kept block; saves a third of its device work and two weight copies. The last
             blocks are the ones to keep: their backward comes first, while the copies for the recomputed
             ones are being issued.
+        kept_saves: what a kept block holds for its backward. ``"all"``: every activation autograd saves.
+            ``"matmuls"``: its input and the outputs of its matmuls and attention only; the backward
+            recomputes the elementwise ops (norms, rotary, activation, residual adds) from them, a few
+            percent of the block's time (``selective.py``). Less than half the memory per kept block,
+            so about twice as many blocks can be kept in the same device memory.
         cache_weights: the last ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype
             weights in fixed device slots for the whole optimizer step: one host→device copy per step
             instead of two per micro-batch, for one block of weights each (a 7B layer: 0.47 GB in bf16).
@@ -340,8 +347,12 @@ class StreamingEngine:
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
         grad_buffers: int = 4,
+        kept_saves: KeptSaves = "all",
     ) -> None:
         n_blocks = len(blocks)
+        if kept_saves not in KEPT_SAVES:
+            raise ValueError(f"kept_saves={kept_saves!r}: expected one of {KEPT_SAVES}")
+        self.kept_saves = kept_saves
         if grad_buffers < 0:
             raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0")
         for name, value in (("keep_activations", keep_activations), ("cache_weights", cache_weights)):
@@ -642,6 +653,10 @@ class StreamingEngine:
     def keeps(self, block: int) -> bool:
         """Whether ``block`` keeps its activations (no recompute) during a step."""
         return block in self.keep
+
+    def saves_matmuls_only(self, block: int) -> bool:
+        """Whether kept ``block`` saves only matmul and attention outputs (``kept_saves="matmuls"``)."""
+        return self.kept_saves == "matmuls"
 
     def _call_order(self, forward: list[int]) -> list[int]:
         """Weight acquisitions of one micro-batch: the forward calls, then the recomputes in reverse."""

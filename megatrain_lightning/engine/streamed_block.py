@@ -9,7 +9,8 @@ gradients go to the engine, which ships them to the host.
 
 A block the engine *keeps* runs its forward with grad enabled instead, on weights that stay in a fixed
 device slot; its inner graph (its activations) lives in ``ctx`` until the backward, which then needs
-neither a recompute nor a second weight copy.
+neither a recompute nor a second weight copy. With ``kept_saves="matmuls"`` that graph holds only the
+matmul and attention outputs, and the backward recomputes the elementwise ops (``selective.py``).
 
 The Function is handed the engine as a non-tensor argument (``runner``); it knows nothing of streams.
 """
@@ -20,6 +21,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
+
+from .selective import run_saving_matmuls
 
 
 class BlockRunner(Protocol):
@@ -38,6 +41,8 @@ class BlockRunner(Protocol):
     def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
 
     def keeps(self, block: int) -> bool: ...
+
+    def saves_matmuls_only(self, block: int) -> bool: ...
 
     def stash(self, tensors: Sequence[torch.Tensor]) -> Any: ...
 
@@ -105,8 +110,16 @@ class StreamedBlock(torch.autograd.Function):
             weights = runner.acquire(block)
             leaves = _leaf_weights(weights, runner.requires_grad_flags(block))
             with torch.enable_grad():
-                args, kwargs = spec.rebuild(inputs)
-                out = runner.run_forward(block, args, kwargs, weights=leaves)
+                if runner.saves_matmuls_only(block):
+                    # the weights stay in the block's fixed slot until its backward: the recompute reads them
+                    def run(*ins: torch.Tensor) -> Any:
+                        a, kw = spec.rebuild(ins)
+                        return runner.run_forward(block, a, kw, weights=leaves)
+
+                    out = run_saving_matmuls(run, *inputs)
+                else:
+                    args, kwargs = spec.rebuild(inputs)
+                    out = runner.run_forward(block, args, kwargs, weights=leaves)
             runner.release(block)
         else:
             ctx.recompute = _RecomputeState(runner.device)
