@@ -96,6 +96,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             gradient accumulator on the host (4 B/param: 30 GB at 7B). After the step those blocks'
             ``.grad`` are None (their buffers went back to the pool); with accumulation, clipping, or a hook
             that must see the gradients, each block keeps its own accumulator as before. 0: always.
+        host_threads: intra-op threads of the host worker that adds gradients and runs the optimizer.
+            ``None``: all usable cores but one on CUDA (the thread launching the device's work keeps a
+            core: starved, it leaves the GPU idle), torch's default on the CPU.
         checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
             (a directory of safetensors shards, written a shard at a time and atomically).
         accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
@@ -119,6 +122,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
         grad_buffers: int = 4,
+        host_threads: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -149,6 +153,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if grad_buffers < 0:
             raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0")
         self.grad_buffers = grad_buffers
+        if host_threads is not None and host_threads < 1:
+            raise ValueError(f"host_threads={host_threads}: a number of threads, >= 1 (None: automatic)")
+        self.host_threads = host_threads
         self._explicit_device = torch.device(device) if device is not None else None
         self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
@@ -227,6 +234,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             offload_inputs=self.offload_inputs,
             host_state=self.host_state,
             grad_buffers=self.grad_buffers,
+            host_threads=self.host_threads,
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -120,6 +120,32 @@ def test_host_worker_runs_the_lowest_priority_first_and_fifo_among_equals() -> N
         worker.submit(0, ran.append, "x")
 
 
+def test_host_worker_takes_ready_jobs_first_else_the_oldest() -> None:
+    """A job whose copy has not landed must not hold the worker while others could run."""
+    worker = HostWorker()
+    gate, ran = threading.Event(), []
+    copies = {"b1": threading.Event(), "b0": threading.Event()}
+    worker.submit(9, gate.wait)
+    # block 2's copy has landed; blocks 1 and 0 (more urgent) are still in flight
+    worker.submit(2, ran.append, "b2")
+    f1 = worker.submit(1, lambda: (copies["b1"].wait(), ran.append("b1")), ready=copies["b1"].is_set)
+    f0 = worker.submit(0, lambda: (copies["b0"].wait(), ran.append("b0")), ready=copies["b0"].is_set)
+    gate.set()
+    threading.Timer(0.2, copies["b1"].set).start()
+    threading.Timer(0.4, copies["b0"].set).start()
+    f0.result(timeout=5), f1.result(timeout=5)
+    # b2 ran at once; then nothing was ready, so the oldest (b1) was taken and waited for
+    assert ran == ["b2", "b1", "b0"]
+    worker.shutdown()
+
+
+def test_host_worker_threads_leave_the_callers_count_alone() -> None:
+    before = torch.get_num_threads()
+    worker = HostWorker(threads=1)
+    assert torch.get_num_threads() == before
+    worker.shutdown()
+
+
 class HookedLlama(ZOO["llama"]):  # type: ignore[misc, valid-type]
     """A module hook between steps: it may read the weights, so the step must be finished by then."""
 

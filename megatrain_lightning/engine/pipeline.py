@@ -27,6 +27,7 @@ ordered by futures.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class _NoEvent:
 
     def record(self, stream: Any = None) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         pass
@@ -106,6 +110,7 @@ class _GradPath:
         pins: PinnedRegistry,
         pool_buffers: int = 0,
         pool_numel: int = 0,
+        threads: int | None = None,
     ) -> None:
         self.streams = streams
         self.numel = numel
@@ -122,7 +127,7 @@ class _GradPath:
         self.staging_turn = 0
         self._staged = 0
         self.busy: dict[int, Future] = {}
-        self.worker = HostWorker()
+        self.worker = HostWorker(threads=threads)
         self.pending: list[Future] = []  # gradient accumulation jobs
         self.updates: list[Future] = []  # overlapped optimizer updates
         # Pooled gradient buffers: a store whose update runs as soon as its gradients land (and that
@@ -182,16 +187,16 @@ class _GradPath:
             if f:
                 p.grad = view
         if not direct:
-            fut = self.worker.submit(priority, self._accumulate, done, store, target, fresh, held)
+            fut = self.worker.submit(priority, self._accumulate, done, store, target, fresh, held, ready=done.query)
             self.staging_busy[self._staged] = fut
             self.busy[id(store)] = fut
             self.pending.append(fut)
             if then is not None:  # a job of its own, so that draining the gradients does not wait for it
-                fut = self.worker.submit(priority, then, store)  # same priority: runs after the add
+                fut = self.worker.submit(priority, then, store, ready=fut.done)  # after the add
                 self.updates.append(fut)
                 return fut
         elif then is not None:
-            fut = self.worker.submit(priority, self._after_copy, done, store, then, lent, self.pool_free)
+            fut = self.worker.submit(priority, self._after_copy, done, store, then, lent, self.pool_free, ready=done.query)
             self.updates.append(fut)
             return fut
         return None
@@ -309,6 +314,9 @@ class StreamingEngine:
             its weights per kept block; saves a third of its device work and two weight copies. The last
             blocks are the ones to keep: their backward comes first, while the copies for the recomputed
             ones are being issued.
+        host_threads: intra-op threads of the host worker (gradient adds, AdamW). ``None``: all usable
+            cores but one when the device is CUDA (the thread that launches the GPU's work must not wait
+            for a core), torch's default otherwise.
         kept_saves: what a kept block holds for its backward. ``"all"``: every activation autograd saves.
             ``"matmuls"``: its input and the outputs of its matmuls and attention only; the backward
             recomputes the elementwise ops (norms, rotary, activation, residual adds) from them, a few
@@ -348,6 +356,7 @@ class StreamingEngine:
         host_state: HostState = "fp32",
         grad_buffers: int = 4,
         kept_saves: KeptSaves = "all",
+        host_threads: int | None = None,
     ) -> None:
         n_blocks = len(blocks)
         if kept_saves not in KEPT_SAVES:
@@ -398,7 +407,9 @@ class StreamingEngine:
         self._stashes: list[_Stash] = []  # saved inputs in host memory, in forward order
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         grad_numel = max([max_numel] + ([self.resident_store.numel] if self.resident_store else []))
-        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel)
+        if host_threads is None and self.streams.cuda:
+            host_threads = max(1, _usable_cores() - 1)  # one core stays with the thread feeding the GPU
+        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads)
         self.counters = CopyCounters()
 
         # Predicted call order of one micro-batch (forward, then backward) and the position in it.
@@ -868,6 +879,13 @@ class _Stash:
 
     def release(self) -> None:
         self.host, self.device, self.released = {}, {}, True
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _no_kv_cache(kwargs: dict) -> None:
