@@ -57,9 +57,9 @@ LOGIT_BYTES_FORWARD = 2 + 4 + 4
 LOGIT_BYTES_BACKWARD = 4 + 4 + 4
 # host_state="compact": its AdamW (rebuild the fp32 master from two halves, fused AdamW, split, round the
 # bf16 moments stochastically) against torch's fused fp32 AdamW on the same host, measured with
-# recipes/benchmark_host_adam.py on the 2-core development machine: 0.28x (1 thread) to 0.45x (2 threads).
-# Not yet measured on the 16-core device host; 0.4 until it is.
-COMPACT_ADAM_SPEED = 0.4
+# recipes/benchmark_host_adam.py on the 16-core H200 host with 4 M-element chunks (what 16 threads get,
+# host_adam.CHUNK_PER_THREAD): 1.40 against 4.41 G params/s, 0.32x (2-core development machine: 0.4-0.5x).
+COMPACT_ADAM_SPEED = 0.32
 # Host-side fp32 bytes per parameter, as engine/host_store.py allocates them.
 MASTER_B, GRAD_B, MOMENTS_B = 4, 4, 8
 

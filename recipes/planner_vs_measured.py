@@ -16,17 +16,19 @@ from megatrain_lightning.plan import plan_from_config
 from megatrain_lightning.planner import GIB
 
 CONF = __import__("pathlib").Path(__file__).resolve().parent.parent / "conf"
-# strategy.grad_buffers=0: these runs predate the pooled gradient buffers (every block had its own
-# fp32 accumulator), so the planner is asked about what ran.
-COMMON = ["data=synthetic", "hardware=h200", "hardware.host_memory_gb=135", "hardware.slots=3", "data.seq_len=2048",
-          "strategy.grad_buffers=0"]
+COMMON = ["data=synthetic", "hardware=h200", "hardware.host_memory_gb=135", "hardware.slots=3", "data.seq_len=2048"]
 
 
 def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk: int | None = 4096,
-         offload: bool = False, layers: int | None = None, host_gb: int | None = None) -> list[str]:
+         offload: bool = False, layers: int | None = None, host_gb: int | None = None, grad_buffers: int = 0,
+         run_on: bool = False, kept_saves: str = "all", host_state: str = "fp32") -> list[str]:
+    """Defaults: what the first runs had (every block its own fp32 accumulator, the host step finished
+    before the next forward); the later runs name their pool, run-on and kept_saves."""
     over = [f"model={model}", f"data.batch_size={mb}", f"trainer.accumulate_grad_batches={acc}",
             f"strategy.keep_activations={keep}", f"strategy.cache_weights={cache}",
-            f"strategy.offload_inputs={offload}", f"model.loss_chunk_tokens={chunk if chunk else 'null'}"]
+            f"strategy.offload_inputs={offload}", f"model.loss_chunk_tokens={chunk if chunk else 'null'}",
+            f"strategy.grad_buffers={grad_buffers}", f"strategy.overlap_next_forward={run_on}",
+            f"strategy.kept_saves={kept_saves}", f"strategy.host_state={host_state}"]
     if layers:
         over.append(f"model.config.num_hidden_layers={layers}")
     if host_gb:
@@ -35,6 +37,12 @@ def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk
 
 
 RUNS = {  # name: (overrides, measured step s, peak GPU allocated GiB, peak GPU reserved GiB, peak host RSS GiB)
+    # later the same day: updates run on into the next forward, kept blocks saving matmul outputs
+    "3B, run-on, own accumulators (grad_buffers 0), keep 32, cache 36, loss chunk 4096": (
+        _run("qwen2_5_3b", 8, keep=32, cache=36, run_on=True), 1.049, 92.11, 95.11, 47.68),
+    "7B, 16 x 2048, run-on, pool of 4, keep 20 saving matmuls, cache 28, loss chunk 4096": (
+        _run("qwen2_5_7b", 16, keep=20, cache=28, run_on=True, grad_buffers=4, kept_saves="matmuls"), 3.8071, 114.61, 118.56, 94.27),
+    # the first runs
     "3B, 8 x 2048, keep 32, cache 36, loss chunk 4096": (_run("qwen2_5_3b", 8, keep=32, cache=36), 1.3036, 95.58, 98.59, 52.36),
     "7B, 16 x 2048, keep 6, cache 28, loss chunk 4096": (_run("qwen2_5_7b", 16, keep=6, cache=28), 4.0492, 94.75, 97.94, 115.16),
     "7B, 8 x 2048, accumulate 4, keep 10, cache 28": (_run("qwen2_5_7b", 8, acc=4, keep=10, cache=28, chunk=None), 9.2162, 99.78, 104.75, 123.24),

@@ -161,6 +161,30 @@ def test_compact_update_is_fp32_adamw_on_the_weights() -> None:
     assert not torch.equal(w.bfloat16(), store.master[:300_000])  # and the update did not round away
 
 
+def test_compact_update_does_not_depend_on_the_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk size follows the thread count; the result (stochastic rounding of the moments included)
+    must not, or a run resumed on another machine would round differently."""
+    from megatrain_lightning.engine import host_adam
+
+    torch.manual_seed(0)
+    n = 100_003
+    w, grads = torch.randn(n) * 0.02, [torch.randn(n) * 1e-3 for _ in range(3)]
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    results = []
+    for chunk in (4096, 65_536, 1 << 20):
+        monkeypatch.setattr(host_adam, "CHUNK_ELEMS", chunk)
+        store = FlatStore([nn.Parameter(w.clone())], PinnedRegistry(False), "compact")
+        ea, eas = store.moment_buffers()
+        step = torch.tensor(0.0)
+        for g in grads:
+            step += 1
+            compact_adam_step(store.master, store.master_low, ea, eas, [CompactSpan(0, n, g, step)], hyper)
+        results.append((store.master_fp32()[:n].clone(), ea[:n].clone(), eas[:n].clone()))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 class SlotProbe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.staging = trainer.strategy.engine.slots.staging

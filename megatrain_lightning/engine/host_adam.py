@@ -66,38 +66,48 @@ def fused_adam_step(
 
 
 # ------------------------------------------------------------------------------------- compact state
-# Elements per chunk of the compact update: its scratch (fp32 weights and moments, one int32 temporary:
-# 4 MiB at 256 K) stays in cache between the 14 passes a chunk takes. Measured on 2 cores (one thread):
-# 256 K and 1 M elements within 2%, 64 K 18% slower (recipes/benchmark_host_adam.py --chunk).
-CHUNK_ELEMS = 1 << 18
-# Stochastic rounding of the bf16 moments draws its 16-bit dither from this fixed random table, read
-# at an offset that moves with the position and the step: deterministic (a resumed run rounds as the
-# uninterrupted one would), no RNG call per chunk, and P is prime so an element's offsets cycle through
-# the whole table. The table costs (P + 2 x CHUNK_ELEMS) x 4 B = 6 MiB, once per process.
+# Elements per chunk of the compact update, per intra-op thread: each thread's share of the chunk's
+# scratch (fp32 weights and moments, an int32 temporary: 16 B/element) stays in its cache between the 14
+# passes a chunk takes, and the chunk is large enough that the passes' per-op overhead stays small.
+# Measured (recipes/benchmark_host_adam.py --chunk, compact / fp32 speed): 16 threads on the H200 host,
+# 256 K per chunk 0.17x, 4 M 0.32x; 2 threads here, 256 K 0.41x, 1 M 0.51x, 4 M 0.17x.
+CHUNK_PER_THREAD = 1 << 18
+CHUNK_ELEMS: int | None = None  # a fixed chunk size (benchmarks); None: CHUNK_PER_THREAD x threads
+# Stochastic rounding of the bf16 moments draws its 16-bit dither from a fixed random sequence of period
+# P (prime): element g of a store at step t reads entry (g + t * STEP) mod P (the second moment a shifted
+# one). Deterministic whatever the chunking (thread count): a resumed run rounds as the uninterrupted one
+# would; no RNG call per chunk; P prime, so an element's offsets cycle through the whole sequence. The
+# table holds it unrolled to P + one chunk entries, so that a chunk reads one contiguous slice.
 _DITHER_P = 1_048_573
 _DITHER_STEP = 7_919
+_DITHER_V = _DITHER_P // 2  # the second moment's shift
 _DITHER_SEED = 0x5EED
 _dither: torch.Tensor | None = None
 _dither_lock = threading.Lock()
 _scratch = threading.local()
 
 
-def _dither_table() -> torch.Tensor:
+def chunk_elems() -> int:
+    """Elements per chunk of the compact update."""
+    return CHUNK_ELEMS or CHUNK_PER_THREAD * max(1, torch.get_num_threads())
+
+
+def _dither_table(chunk: int) -> torch.Tensor:
     global _dither
     with _dither_lock:
-        if _dither is None or _dither.numel() < _DITHER_P + 2 * CHUNK_ELEMS:
+        if _dither is None or _dither.numel() < _DITHER_P + chunk:
             g = torch.Generator().manual_seed(_DITHER_SEED)
-            _dither = torch.randint(0, 1 << 16, (_DITHER_P + 2 * CHUNK_ELEMS,), dtype=torch.int32, generator=g)
+            base = torch.randint(0, 1 << 16, (_DITHER_P,), dtype=torch.int32, generator=g)
+            _dither = base.repeat(2 + chunk // _DITHER_P)[: _DITHER_P + chunk]  # periodic: entry i = base[i % P]
     return _dither
 
 
-def _chunk_scratch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_scratch(chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-thread scratch of one chunk (the overlapped update runs on the host worker thread): fp32
-    weights, an int32 temporary, and fp32 exp_avg and exp_avg_sq side by side (rounded in one pass)."""
+    weights, an int32 temporary, and fp32 exp_avg and exp_avg_sq side by side."""
     bufs = getattr(_scratch, "bufs", None)
-    if bufs is None or bufs[0].numel() < CHUNK_ELEMS:
-        bufs = _scratch.bufs = (torch.empty(CHUNK_ELEMS), torch.empty(CHUNK_ELEMS, dtype=torch.int32),
-                                torch.empty(2 * CHUNK_ELEMS))
+    if bufs is None or bufs[0].numel() < chunk:
+        bufs = _scratch.bufs = (torch.empty(chunk), torch.empty(chunk, dtype=torch.int32), torch.empty(2 * chunk))
     return bufs
 
 
@@ -141,14 +151,15 @@ def compact_adam_step(
     stochastically to bf16. Each pass is one multi-threaded torch op over a cache-sized chunk. Without
     ``master_low`` (plain bf16 masters) the new weight is rounded to the nearest bf16.
     """
-    w, tmp, mv = _chunk_scratch()
+    chunk = chunk_elems()
+    w, tmp, mv = _chunk_scratch(chunk)
     w_bits = w.view(torch.int32)
-    table = _dither_table()
+    table = _dither_table(chunk)
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     for span in spans:
         step = int(span.step.item())
-        for c0 in range(span.start, span.end, CHUNK_ELEMS):
-            c1 = min(c0 + CHUNK_ELEMS, span.end)
+        for c0 in range(span.start, span.end, chunk):
+            c1 = min(c0 + chunk, span.end)
             n = c1 - c0
             cw, cb, ct, cmv = w[:n], w_bits[:n], tmp[:n], mv[: 2 * n]
             cm, cv = cmv[:n], cmv[n:]
@@ -169,6 +180,8 @@ def compact_adam_step(
             else:
                 hi.copy_(cw)
             at = (c0 + step * _DITHER_STEP) % _DITHER_P
-            _round_stochastic(cmv, table[at : at + 2 * n])
+            _round_stochastic(cm, table[at : at + n])
+            at = (at + _DITHER_V) % _DITHER_P
+            _round_stochastic(cv, table[at : at + n])
             exp_avg[c0:c1].copy_(cm)
             exp_avg_sq[c0:c1].copy_(cv)
