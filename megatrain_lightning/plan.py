@@ -11,6 +11,8 @@ minutes of allocating 1 TB before the out-of-memory killer strikes.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatrain_lightning.errors import ConfigError
 
 GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
@@ -144,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan out)
-    """The plan of a composed training config (the model built on the meta device only)."""
+def plan_from_config(cfg, **run_changes):  # noqa: ANN001, ANN003, ANN201 (DictConfig in, planner.Plan out)
+    """The plan of a composed training config (the model built on the meta device only). ``run_changes``:
+    RunSettings fields to override (what an older engine did, for comparisons with its runs)."""
     from megatrain_lightning.cli import resolve_hardware
     from megatrain_lightning.models.build import hf_config, meta_model, pretrained_config
     from megatrain_lightning.planner import PlanShape, RunSettings, make_plan
@@ -172,6 +175,7 @@ def plan_from_config(cfg):  # noqa: ANN001, ANN201 (DictConfig in, planner.Plan 
         clip=bool(cfg.trainer.get("gradient_clip_val")),
         run_on=bool(cfg.strategy.get("overlap_optimizer", True)) and bool(cfg.strategy.get("overlap_next_forward", True)),
     )
+    run = dataclasses.replace(run, **run_changes)
     return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
 
 

@@ -128,6 +128,7 @@ class RunSettings:
     grad_buffers: int = 4  # pooled gradient buffers (MegaTrainStrategy.grad_buffers)
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
+    head_in_backward: bool = True  # an untied head's update overlaps the backward (engine since 2026-11-30, late)
 
     @property
     def pooled_grads(self) -> bool:
@@ -313,6 +314,11 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     d2h_bwd = 4 * shape.total_params / (link * BIDIRECTIONAL_FACTOR)
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (COMPACT_ADAM_SPEED if run.compact_state else 1.0)
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
+    # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
+    # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.
+    untied_head = shape.head_params if shape.resident_params >= 2 * shape.head_params > 0 else 0
+    adam_after = untied_head / adam_rate if run.head_in_backward and not run.clip else 0.0
+    adam_before = adam_resident - adam_after
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
     # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
     # copies write 4 B/param into host memory and the re-streamed blocks' masters are read again: the
@@ -322,18 +328,18 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
     if run.accumulate == 1:
-        last_host = adam_blocks  # host work in the last backward
+        last_host = adam_blocks + adam_after  # host work in the last backward
         before_last = fwd_first
     else:
-        last_host = add + adam_blocks
+        last_host = add + adam_blocks + adam_after
         before_last = (fwd_first + bwd) + (run.accumulate - 2) * (fwd + max(bwd, add)) + fwd
     if run.run_on and not run.clip:
         # The next step's first forward (fwd_first, as in the steady state) hides what is left over.
         pool = min(1.0, run.grad_buffers / layers) if run.pooled_grads else 1.0
-        step = adam_resident + max(before_last + bwd, before_last + last_host - pool * adam_blocks,
-                                   before_last - fwd_first + last_host)
+        step = adam_before + max(before_last + bwd, before_last + last_host - pool * adam_blocks,
+                                 before_last - fwd_first + last_host)
     else:
-        step = before_last + max(bwd, last_host) + adam_resident
+        step = before_last + max(bwd, last_host) + adam_before
     return {
         "device compute": run.accumulate * (dev_fwd + dev_bwd),
         "host->device copies": h2d_fwd_first + (run.accumulate - 1) * h2d_fwd + run.accumulate * h2d_bwd,

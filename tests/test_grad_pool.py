@@ -53,8 +53,8 @@ def test_no_block_keeps_a_gradient_buffer_when_nothing_accumulates() -> None:
     depth = 5
     probe = PoolProbe()
     _trainer(MegaTrainStrategy(grad_buffers=2), max_steps=3, callbacks=[probe]).fit(HooklessNet(depth=depth), _loader())
-    # every block borrowed, every step, and the resident store (input and output layers: smaller than a block)
-    assert [row[1] for row in probe.rows] == [depth + 1, 2 * (depth + 1), 3 * (depth + 1)]
+    # every block borrowed, every step, and both resident stores (input layer, output layer: smaller than a block)
+    assert [row[1] for row in probe.rows] == [depth + 2, 2 * (depth + 2), 3 * (depth + 2)]
     for owns, _, made in probe.rows:
         assert owns == [False] * depth  # each buffer went back after its block's update
         assert 1 <= made <= 2  # made on demand, never more than the pool

@@ -10,7 +10,8 @@ Data flow of one micro-batch (see DESIGN.md section 4):
   device→host stream, straight into the pinned fp32 accumulator when nothing is pending there, else into
   a pinned staging buffer that the host worker thread adds in once the copy's event has completed.
 * the resident parameters (everything outside the blocks) live on the device during a step, as fp32
-  copies of their host masters; their gradients go back the same way at the end of the backward.
+  copies of their host masters, in two parts (``resident.py``): those used before the blocks go back at
+  the end of the backward; those used only after them (final norm, untied head) at its first block.
 * options that spend device memory for speed: kept blocks (``keep_activations``) build their graph in
   the forward and skip the recompute; cached blocks (``cache_weights``) own a fixed slot filled once per
   optimizer step. One that spends link bytes for device memory: ``offload_inputs`` parks the saved
@@ -39,9 +40,9 @@ from .device_slots import BlockBinding, DeviceSlots
 from .host_store import FlatLayout, FlatStore, HostState, PinnedRegistry
 from .host_worker import HostWorker
 from .materialize import InitFn, MetaMaterializer
+from .resident import RESIDENT, RESIDENT_AFTER, ResidentPart, resident_names
 from .streamed_block import CallSpec, StreamedBlock
 
-RESIDENT = -1  # counter key of the resident parameters
 KeptSaves = Literal["all", "matmuls"]
 KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
 
@@ -87,7 +88,7 @@ class _Streams:
 class CopyCounters:
     """How often each block's weights went to the device, were reused there, and its gradients came back.
 
-    Keys are block indices, and ``RESIDENT`` for the resident parameters.
+    Keys are block indices, ``RESIDENT`` and ``RESIDENT_AFTER`` for the resident parameters.
     """
 
     h2d: dict[int, int] = field(default_factory=dict)
@@ -378,18 +379,29 @@ class StreamingEngine:
         block_ids = {id(b) for b in self.blocks}
         for block in self.blocks:
             # a meta-built block becomes views of its store now, initialised in place
-            store = self._materialize_into_store(block, lambda b=block: list(b.parameters()), materialize, host_state)
+            store = self._materialize_into_stores(block, lambda b=block: [list(b.parameters())], materialize, host_state)[0]
             assert store is not None  # find_blocks returns blocks with parameters
             self.stores.append(store)
             binding = BlockBinding(block, store.params)
             binding.buffers_to(self.device)
             self.bindings.append(binding)
-        in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
         self.root = root
-        self.resident_store = self._materialize_into_store(
-            root, lambda: [p for p in root.parameters() if id(p) not in in_blocks], materialize, host_state, block_ids
+        names = resident_names(root, self.blocks)
+        resident_stores = self._materialize_into_stores(
+            root, lambda: [[root.get_parameter(n) for n in group] for group in names], materialize, host_state, block_ids
         )
-        self.resident = list(self.resident_store.params) if self.resident_store else []
+        # Resident parameters: fp32 device copies, swapped into ``param.data`` during a step.
+        self.resident_parts = [
+            ResidentPart(key, priority, store)
+            for key, priority, store in zip((RESIDENT, RESIDENT_AFTER), (-1, n_blocks), resident_stores)
+            if store is not None
+        ]
+        self.resident_store = resident_stores[0]  # the part used before the blocks (None: no such part)
+        self.resident = [p for part in self.resident_parts for p in part.store.params]
+        after = [part for part in self.resident_parts if part.key == RESIDENT_AFTER]
+        self._after: ResidentPart | None = after[0] if after else None
+        self._after_early = True  # cleared for good if a step uses the after part before the last block
+        self._backward_began = False  # in this micro-batch's backward
         self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
 
         max_numel = max(s.numel for s in self.stores)
@@ -406,7 +418,7 @@ class StreamingEngine:
         self.offload_inputs = offload_inputs
         self._stashes: list[_Stash] = []  # saved inputs in host memory, in forward order
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        grad_numel = max([max_numel] + ([self.resident_store.numel] if self.resident_store else []))
+        grad_numel = max([max_numel] + [part.store.numel for part in self.resident_parts])
         self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads)
         self.counters = CopyCounters()
 
@@ -415,12 +427,6 @@ class StreamingEngine:
         self._pos = 0
         self._recorded: list[int] = []
 
-        # Resident parameters: fp32 device copies, swapped into ``param.data`` during a step.
-        self._res_device: torch.Tensor | None = None
-        self._res_views: list[torch.Tensor] = []
-        self._res_on_device = False
-        self._res_stale = True
-        self._res_saved_grads: list[torch.Tensor | None] = []
         self.in_step = False
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Callable[[FlatStore], None] | None = None
@@ -435,32 +441,38 @@ class StreamingEngine:
         self._anchor_t: torch.Tensor | None = None
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
-        # Any module owning a resident parameter pulls the resident set onto the device when it runs.
+        # Any module owning a resident parameter pulls its part onto the device when it runs.
+        self._owned_parts: dict[int, list[ResidentPart]] = {}
         self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in self._resident_owners()]
+        if self._after is not None:  # a gradient after the early send would be lost: refuse it loudly
+            self._hooks += [p.register_post_accumulate_grad_hook(self._after_grad_landed) for p in self._after.store.params]
 
-    def _materialize_into_store(
+    def _materialize_into_stores(
         self,
         module: nn.Module,
-        params_of: Callable[[], list[nn.Parameter]],
+        groups_of: Callable[[], list[list[nn.Parameter]]],
         materialize: MetaMaterializer,
         host_state: HostState,
         skip: Collection[int] = (),
-    ) -> FlatStore | None:
-        """Materialise ``module`` (not descending into ``skip``) and build the store of ``params_of()``.
+    ) -> list[FlatStore | None]:
+        """Materialise ``module`` (not descending into ``skip``) and build one store per group of
+        ``groups_of()`` (None for an empty group).
 
         fp32 stores are laid out from the meta shapes first and the meta parameters become views of the
         store's master, so that initialisation writes the store directly (no second copy of anything).
         """
-        params = params_of()
-        master = None
-        if host_state == "fp32" and any(p.is_meta for p in params):
-            layout = FlatLayout(params)
-            master = self.pins.empty(layout.numel)
-            master.zero_()  # alignment padding stays zero
-            materialize.place({id(p): v for p, v in zip(params, layout.views(master)) if p.is_meta})
+        masters: list[torch.Tensor | None] = []
+        for params in groups_of():
+            master = None
+            if host_state == "fp32" and any(p.is_meta for p in params):
+                layout = FlatLayout(params)
+                master = self.pins.empty(layout.numel)
+                master.zero_()  # alignment padding stays zero
+                materialize.place({id(p): v for p, v in zip(params, layout.views(master)) if p.is_meta})
+            masters.append(master)
         materialize(module, skip=skip)
-        params = params_of()
-        return FlatStore(params, self.pins, host_state, master=master) if params else None
+        return [FlatStore(params, self.pins, host_state, master=master) if params else None
+                for params, master in zip(groups_of(), masters)]
 
     # ------------------------------------------------------------------ step scope
     def open_step(self) -> None:
@@ -468,7 +480,8 @@ class StreamingEngine:
         self.in_step = True
         self._pos = 0
         self._recorded = []
-        self.ensure_resident()
+        for part in self.resident_parts:  # the after part only if its update has run (else when used)
+            self._ensure_part(part, wait=part.key != RESIDENT_AFTER)
         self._prefetch(current=None)
 
     def end_call(self) -> None:
@@ -484,6 +497,9 @@ class StreamingEngine:
         self.grads.drain()
         if self.streams.cuda:
             self.streams.h2d.synchronize()  # no copy may still read a master the optimizer will write
+        self._backward_began = False
+        for part in self.resident_parts:
+            part.sent_early = False
         if self._recorded:
             self._order = self._call_order(self._recorded)
         self._recorded = []
@@ -540,11 +556,12 @@ class StreamingEngine:
     def weights_changed(self) -> None:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
         self.slots.invalidate()
-        self._res_stale = True
+        for part in self.resident_parts:
+            part.stale = True
 
     # ------------------------------------------------------------------ resident parameters
     def _resident_owners(self) -> list[nn.Module]:
-        ids = {id(p) for p in self.resident}
+        part_of = {id(p): part for part in self.resident_parts for p in part.store.params}
         block_ids = {id(b) for b in self.blocks}
         owners: list[nn.Module] = []
         stack: list[nn.Module] = [self.root]
@@ -554,47 +571,59 @@ class StreamingEngine:
             if id(m) in seen or id(m) in block_ids:
                 continue
             seen.add(id(m))
-            if any(p is not None and id(p) in ids for p in m._parameters.values()):
+            parts = {id(part_of[id(p)]): part_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in part_of}
+            if parts:
                 owners.append(m)
+                self._owned_parts[id(m)] = list(parts.values())
             stack.extend(c for c in m._modules.values() if c is not None)
         return owners
 
     def _resident_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self.in_step:
-            self.ensure_resident()
+        if not self.in_step:
+            return
+        for part in self._owned_parts[id(module)]:
+            if part is self._after and torch.is_grad_enabled() and not self._calls.get(len(self.blocks) - 1):
+                self._after_early = False  # used before the last block: its gradients are final only at the end
+            self._ensure_part(part)
 
     def ensure_resident(self) -> None:
-        """Point resident parameters at their device copies (refreshed first if the masters changed)."""
-        if self._res_on_device or self.resident_store is None:
+        """Point every resident parameter at its device copy (refreshed first if the masters changed)."""
+        for part in self.resident_parts:
+            self._ensure_part(part)
+
+    def _ensure_part(self, part: ResidentPart, wait: bool = True) -> None:
+        """One part onto the device; without ``wait``, only if its update (if one runs on) has run."""
+        if part.on_device:
             return
-        store = self.resident_store
-        if self._res_device is None:
-            self._res_device = torch.empty(store.numel, device=self.device)
-            self._res_views = store.layout.views(self._res_device)
-        if self._res_stale:
-            self._await_update(RESIDENT)
+        store = part.store
+        if part.stale:
+            if not self._await_update(part.key, block=wait):
+                return  # its owner's forward hook brings it later
+            if part.device is None:
+                part.device = torch.empty(store.numel, device=self.device)
+                part.views = store.layout.views(part.device)
             compute = self.streams.compute()
             with self.streams.on(self.streams.h2d):
                 if self.streams.cuda:
                     self.streams.h2d.wait_stream(compute)  # no queued kernel may still read the old copy
-                if store.master.dtype == self._res_device.dtype:
-                    self._res_device.copy_(store.master, non_blocking=True)
+                if store.master.dtype == part.device.dtype:
+                    part.device.copy_(store.master, non_blocking=True)
                 else:  # bf16 masters (host_state="compact"): copy as they are, widen on the device
                     stage = torch.empty(store.numel, dtype=store.master.dtype, device=self.device)
                     stage.copy_(store.master, non_blocking=True)
-                    self._res_device.copy_(stage)
+                    part.device.copy_(stage)
                     # Buffer lifetime: allocated on the h2d stream, read only there; freed after the cast.
                 ev = self.streams.event()
                 ev.record(self.streams.h2d)
             self.streams.wait(compute, ev)
-            self.counters.bump(self.counters.h2d, RESIDENT)
-            self._res_stale = False
-        self._res_saved_grads = []
-        for p, dv in zip(store.params, self._res_views):
-            self._res_saved_grads.append(p.grad)
+            self.counters.bump(self.counters.h2d, part.key)
+            part.stale = False
+        part.saved_grads = []
+        for p, dv in zip(store.params, part.views):
+            part.saved_grads.append(p.grad)
             p.grad = None  # device gradients accumulate from zero; the host keeps what was there
             p.data = dv
-        self._res_on_device = True
+        part.on_device = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's ``zero_grad`` is about to run. An update still running on from the last step
@@ -603,28 +632,56 @@ class StreamingEngine:
         parameters' host gradients are parked, out of its reach: clear them here as it would have."""
         if self._updates:
             self._updates_done()
-        if not self._res_on_device:
-            return
-        if set_to_none:
-            self._res_saved_grads = [None] * len(self._res_saved_grads)
-        else:
-            for g in self._res_saved_grads:
-                if g is not None:
-                    g.zero_()
+        for part in self.resident_parts:
+            if not part.on_device:
+                continue
+            if set_to_none:
+                part.saved_grads = [None] * len(part.saved_grads)
+            else:
+                for g in part.saved_grads:
+                    if g is not None:
+                        g.zero_()
 
     def _resident_to_host(self, with_grads: bool) -> None:
-        if not self._res_on_device or self.resident_store is None:
+        for part in self.resident_parts:
+            self._part_to_host(part, with_grads)
+
+    def _part_to_host(self, part: ResidentPart, with_grads: bool) -> None:
+        if not part.on_device:
             return
-        store = self.resident_store
+        store = part.store
         grads = [p.grad for p in store.params]
-        for p, host_view, saved in zip(store.params, store.master_views, self._res_saved_grads):
+        for p, host_view, saved in zip(store.params, store.master_views, part.saved_grads):
             p.grad = None
             p.data = host_view
             p.grad = saved
-        self._res_on_device = False
+        part.on_device = False
         if with_grads and any(g is not None for g in grads):
-            self._send(RESIDENT, store, grads, self.on_grads_final)
-            self.counters.bump(self.counters.d2h, RESIDENT)
+            self._send(part.key, store, grads, self.on_grads_final, part.priority)
+            self.counters.bump(self.counters.d2h, part.key)
+
+    def backward_starts(self, block: int) -> None:
+        """A block's backward begins. At the first one of a micro-batch whose update overlaps it, the after
+        part's gradients are final (the loss's backward, which alone reaches them, is done): send them home
+        now, so that their update runs beside the blocks' backward instead of after it."""
+        first, self._backward_began = not self._backward_began, True
+        part = self._after
+        if not first or part is None or not part.on_device or self.on_grads_final is None or not self._after_early:
+            return
+        # one pass through the blocks, this one last: every use of the after part came after it
+        if block != max(self._calls, default=-1) or any(n != 1 for n in self._calls.values()):
+            return
+        self._part_to_host(part, with_grads=True)
+        part.sent_early = True
+
+    def _after_grad_landed(self, param: torch.Tensor) -> None:
+        if self._after is not None and self._after.sent_early:
+            raise RuntimeError(
+                "a gradient reached a parameter used only after the last block once its gradients had been "
+                "sent to the host (at the first block's backward): this model's backward does not follow its "
+                "forward order. Pass MegaTrainStrategy(overlap_optimizer=False) (StreamingEngine: leave "
+                "on_grads_final unset) and report the model."
+            )
 
     # ------------------------------------------------------------------ blocks
     def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
@@ -827,9 +884,9 @@ class StreamingEngine:
         self.counters.bump(self.counters.d2h, block)
 
     def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None],
-              then: Callable[[FlatStore], None] | None) -> None:
-        # The worker runs jobs in the next forward's order: the resident part (embeddings) first.
-        fut = self.grads.send(store, grads, then, priority=key)
+              then: Callable[[FlatStore], None] | None, priority: int | None = None) -> None:
+        # The worker runs jobs in the next forward's order: blocks by index, the resident parts around them.
+        fut = self.grads.send(store, grads, then, priority=key if priority is None else priority)
         if fut is not None:
             self._updates[key] = fut
             self._claimed.add(id(store))
@@ -853,14 +910,16 @@ class StreamingEngine:
         # Device memory goes now, not when the last reference to the engine does.
         self.slots.buffers, self.slots.staging = [], None
         self.grads.slabs = []
-        self._res_device, self._res_views, self._views = None, [], {}
+        self._views = {}
+        for part in self.resident_parts:
+            part.device, part.views = None, []
         self.pins.close()
 
     def reset_counters(self) -> None:
         self.counters = CopyCounters()
 
     def all_stores(self) -> list[FlatStore]:
-        return self.stores + ([self.resident_store] if self.resident_store else [])
+        return self.stores + [part.store for part in self.resident_parts]
 
 
 class _Stash:

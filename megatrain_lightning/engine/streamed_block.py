@@ -36,6 +36,8 @@ class BlockRunner(Protocol):
 
     def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None: ...
 
+    def backward_starts(self, block: int) -> None: ...
+
     def run_forward(self, block: int, args: tuple, kwargs: dict) -> Any: ...
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
@@ -144,6 +146,7 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> Any:
         runner: BlockRunner = ctx.runner
+        runner.backward_starts(ctx.block)
         flags = runner.requires_grad_flags(ctx.block)
         if ctx.kept is not None:
             outs, inputs, leaves = ctx.kept
