@@ -151,7 +151,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         shape = model.model_shape
         pooled = (
             str(cfg.strategy.get("_target_", "")).endswith("MegaTrainStrategy")
-            and int(cfg.strategy.get("grad_buffers", 0) or 0) > 0
+            and (cfg.strategy.get("grad_buffers") is None or int(cfg.strategy.get("grad_buffers")) > 0)
             and int(cfg.trainer.get("accumulate_grad_batches") or 1) == 1
             and not cfg.trainer.get("gradient_clip_val")
         )

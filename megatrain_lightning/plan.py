@@ -171,10 +171,16 @@ def plan_from_config(cfg, **run_changes):  # noqa: ANN001, ANN003, ANN201 (DictC
         kept_saves_matmuls=cfg.strategy.get("kept_saves", "all") == "matmuls",
         cache_weights=int(cfg.strategy.get("cache_weights") or 0),
         offload_inputs=bool(cfg.strategy.get("offload_inputs") or False),
-        grad_buffers=int(cfg.strategy.get("grad_buffers", 4)),
+        grad_buffers=int(cfg.strategy.get("grad_buffers") if cfg.strategy.get("grad_buffers") is not None else 0),
         clip=bool(cfg.trainer.get("gradient_clip_val")),
         run_on=bool(cfg.strategy.get("overlap_optimizer", True)) and bool(cfg.strategy.get("overlap_next_forward", True)),
     )
+    if cfg.strategy.get("grad_buffers") is None and "grad_buffers" not in run_changes:
+        # automatic, as the strategy decides it: own accumulators when they fit the host, else a pool of 4
+        from megatrain_lightning.planner import host_bytes
+
+        if sum(host_bytes(shape, run).values()) > hw.host_memory_gb * 1e9 * 0.9:
+            run = dataclasses.replace(run, grad_buffers=4)
     run = dataclasses.replace(run, **run_changes)
     return make_plan(shape, run, hw, model=str(m.get("name") or "model"))
 

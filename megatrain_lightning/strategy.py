@@ -95,7 +95,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             backward (see ``overlap_optimizer``) when nothing accumulates: such steps keep no full-size fp32
             gradient accumulator on the host (4 B/param: 30 GB at 7B). After the step those blocks'
             ``.grad`` are None (their buffers went back to the pool); with accumulation, clipping, or a hook
-            that must see the gradients, each block keeps its own accumulator as before. 0: always.
+            that must see the gradients, each block keeps its own accumulator as before. 0: always. The
+            pool also bounds how far the device runs ahead of the host optimizer, and so how much of its
+            work the next forward can hide: own accumulators are faster when the host is the bottleneck
+            (3B on the H200 host: 1.10 against 1.22 s per step). ``None`` (default): own accumulators when
+            they and the Adam moments fit in the host memory available at setup with a tenth of it to
+            spare, else a pool of 4.
         host_threads: intra-op threads of the host worker that adds gradients and runs the optimizer.
             ``None``: torch's default (all cores). Fewer leave cores to the thread that launches the
             device's work; measured on a 16-core H200 host, 15 made the 3B step slower than 16.
@@ -121,7 +126,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         cache_weights: int = 0,
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
-        grad_buffers: int = 4,
+        grad_buffers: int | None = None,
         host_threads: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -150,8 +155,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if host_state not in HOST_STATES:
             raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
         self.host_state = host_state
-        if grad_buffers < 0:
-            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0")
+        if grad_buffers is not None and grad_buffers < 0:
+            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0 (None: automatic)")
         self.grad_buffers = grad_buffers
         if host_threads is not None and host_threads < 1:
             raise ValueError(f"host_threads={host_threads}: a number of threads, >= 1 (None: automatic)")

@@ -321,7 +321,8 @@ def main() -> None:
     ap.add_argument("--worker-threads", type=int, default=0, help="megatrain: host_threads (0: automatic)")
     ap.add_argument("--kept-saves", default="all", choices=["all", "matmuls"], help="megatrain: kept_saves")
     ap.add_argument("--no-run-on", action="store_true", help="megatrain: overlap_next_forward=False")
-    ap.add_argument("--grad-buffers", type=int, default=4, help="megatrain: grad_buffers (0: own accumulators)")
+    ap.add_argument("--grad-buffers", type=int, default=None,
+                    help="megatrain: grad_buffers (0: own accumulators; default: automatic)")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--out", default=f"recipes/results/{datetime.date.today()}-h200-throughput")
     args = ap.parse_args()
@@ -337,7 +338,7 @@ def main() -> None:
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
                 "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (
-                f"-gradbuf{args.grad_buffers}" if args.grad_buffers != 4 else "") + (
+                f"-gradbuf{args.grad_buffers}" if args.grad_buffers is not None else "") + (
                 f"-worker{args.worker_threads}" if args.worker_threads else "")
         label += f"-{args.host_threads}threads" if args.host_threads else ""
         cmd = [sys.executable, __file__, "--strategy", strategy] + [

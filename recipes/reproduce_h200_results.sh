@@ -23,7 +23,7 @@ for part in "${parts[@]}"; do
       common=(--model qwen2_5_3b --micro-batch 8 --accumulate 1 --seq-len 2048 --warmup 2 --out "$out")
       mt=(--strategies megatrain --keep 32 --cache 36 --loss-chunk 4096)
       bench "${common[@]}" --steps 6 "${mt[@]}" --grad-buffers 0
-      bench "${common[@]}" --steps 6 "${mt[@]}"
+      bench "${common[@]}" --steps 6 "${mt[@]}" --grad-buffers 4
       bench "${common[@]}" --steps 6 --strategies single_device
       if python -c "import deepspeed" 2>/dev/null; then
         bench "${common[@]}" --strategies deepspeed_zero3_offload --steps 4
@@ -35,7 +35,7 @@ for part in "${parts[@]}"; do
       bench "${common[@]}" --steps 4 "${mt[@]}" --grad-buffers 0 --profile 2 --out "$out-profile" ;;
     7b)
       bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
-        --slots 3 --keep 20 --kept-saves matmuls --cache 28 --loss-chunk 4096 --out "$out" ;;
+        --slots 3 --keep 20 --kept-saves matmuls --cache 28 --loss-chunk 4096 --grad-buffers 4 --out "$out" ;;
     depth)
       for layers in 28 112; do
         bench --model qwen2_5_1_5b --layers "$layers" --strategies megatrain --micro-batch 4 --accumulate 4 \

@@ -75,3 +75,24 @@ def test_blocks_keep_their_own_accumulator_otherwise(kwargs: dict) -> None:
 def test_negative_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="grad_buffers"):
         MegaTrainStrategy(grad_buffers=-1)
+
+
+def test_automatic_choice_takes_own_accumulators_when_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grad_buffers=None (the default): own accumulators (faster when the host optimizer is the bottleneck)
+    if they and the Adam moments fit in the host memory available, else a pool of 4."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatrain_lightning.engine import pipeline
+
+    small = SimpleNamespace(numel=1000, grad=None, exp_avg=None, dtype=torch.float32)
+    huge = SimpleNamespace(numel=10**14, grad=None, exp_avg=None, dtype=torch.float32)  # 1.2 PB of state
+    assert pipeline._accumulators_fit([small]) and not pipeline._accumulators_fit([small, huge])
+    chosen = {}
+    for fits in (True, False):
+        monkeypatch.setattr(pipeline, "_accumulators_fit", lambda stores, fits=fits: fits)
+        probe = PoolProbe()
+        _trainer(MegaTrainStrategy(), max_steps=1, callbacks=[probe]).fit(HooklessNet(depth=3), _loader())
+        chosen[fits] = probe.rows[-1][1]  # buffers lent in the step
+    assert chosen == {True: 0, False: 3 + 2}  # own accumulators; else every store borrowed

@@ -339,7 +339,10 @@ class StreamingEngine:
             step needs no full-size gradient accumulator (4 B/param) on the host, only these. A block's
             ``.grad`` is released (None) once its update has read it. Blocks that accumulate, or are
             stepped after the backward, get their own accumulator on first need. 0: always their own.
-            The device runs at most this many blocks ahead of the host optimizer.
+            The device runs at most this many blocks ahead of the host optimizer, and the next forward can
+            hide at most this many blocks' updates. ``None``: own accumulators when they (and the Adam
+            moments still to come) fit in the host memory available now with a tenth of the total to
+            spare (the faster: 1.10 against 1.22 s per 3B step on the H200 host), else 4.
     """
 
     def __init__(
@@ -355,7 +358,7 @@ class StreamingEngine:
         cache_weights: int = 0,
         offload_inputs: bool = False,
         host_state: HostState = "fp32",
-        grad_buffers: int = 4,
+        grad_buffers: int | None = 4,
         kept_saves: KeptSaves = "all",
         host_threads: int | None = None,
     ) -> None:
@@ -363,8 +366,8 @@ class StreamingEngine:
         if kept_saves not in KEPT_SAVES:
             raise ValueError(f"kept_saves={kept_saves!r}: expected one of {KEPT_SAVES}")
         self.kept_saves = kept_saves
-        if grad_buffers < 0:
-            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0")
+        if grad_buffers is not None and grad_buffers < 0:
+            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0 (None: automatic)")
         for name, value in (("keep_activations", keep_activations), ("cache_weights", cache_weights)):
             if not 0 <= value <= n_blocks:
                 raise ValueError(f"{name}={value}: must lie between 0 and the number of blocks ({n_blocks})")
@@ -419,6 +422,9 @@ class StreamingEngine:
         self._stashes: list[_Stash] = []  # saved inputs in host memory, in forward order
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         grad_numel = max([max_numel] + [part.store.numel for part in self.resident_parts])
+        if grad_buffers is None:
+            grad_buffers = 0 if _accumulators_fit(self.all_stores()) else 4
+        self.grad_buffers = grad_buffers
         self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads)
         self.counters = CopyCounters()
 
@@ -936,6 +942,22 @@ class _Stash:
 
     def release(self) -> None:
         self.host, self.device, self.released = {}, {}, True
+
+
+def _accumulators_fit(stores: Sequence[FlatStore]) -> bool:
+    """Whether every store's own fp32 gradient accumulator and its Adam moments (allocated on first use)
+    fit in the host memory available now, leaving a tenth of the total free. False where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available, total = info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return False
+    need = 0
+    for s in stores:
+        need += 4 * s.numel if s.grad is None else 0
+        need += 2 * s.numel * s.dtype.itemsize if s.exp_avg is None else 0
+    return need <= available - total // 10
 
 
 def _no_kv_cache(kwargs: dict) -> None:
