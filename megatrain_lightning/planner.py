@@ -128,7 +128,7 @@ class RunSettings:
     grad_buffers: int = 4  # pooled gradient buffers (MegaTrainStrategy.grad_buffers)
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
-    head_in_backward: bool = True  # an untied head's update overlaps the backward (engine since 2026-11-30, late)
+    head_in_backward: bool = True  # an untied head's update overlaps the backward (False: engines before commit 2f37add)
 
     @property
     def pooled_grads(self) -> bool:

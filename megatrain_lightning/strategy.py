@@ -88,8 +88,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             not fit: the fp32 master is kept exactly as a bf16 high half plus an int16 low half, and Adam's
             moments are bf16 (stochastically rounded). Costs: the module's parameters (``state_dict()``,
             checkpoints) are bf16, the exact low halves travel in the optimizer state (``master_low``);
-            the host step is ~3x slower per parameter (0.32x fp32 on the 16-core H200 host); Adam/AdamW only. Halves
-            the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss is
+            the host step is ~3x slower per parameter (0.32x fp32 on the 16-core H200 host); Adam/AdamW
+            only. Halves the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss is
             within 0.01% of ``"fp32"``, where plain bf16 masters end 3.3% off (README, "Compact state").
         grad_buffers: pinned gradient buffers (one block each) lent to blocks whose update overlaps the
             backward (see ``overlap_optimizer``) when nothing accumulates: such steps keep no full-size fp32
@@ -159,7 +159,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0 (None: automatic)")
         self.grad_buffers = grad_buffers
         if host_threads is not None and host_threads < 1:
-            raise ValueError(f"host_threads={host_threads}: a number of threads, >= 1 (None: automatic)")
+            raise ValueError(f"host_threads={host_threads}: a number of threads, >= 1 (None: torch's default)")
         self.host_threads = host_threads
         self._explicit_device = torch.device(device) if device is not None else None
         self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector

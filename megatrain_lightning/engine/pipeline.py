@@ -436,9 +436,9 @@ class StreamingEngine:
         self.in_step = False
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Callable[[FlatStore], None] | None = None
-        # Futures of the overlapped updates not yet known to have run, by block (RESIDENT: the resident
-        # store). A block's weights go to the device only after its update has run: what lets the updates
-        # of one step run on into the next step's forward (``settle(wait=False)``).
+        # Futures of the overlapped updates not yet known to have run, by block (RESIDENT, RESIDENT_AFTER:
+        # the resident parts). A store's weights go to the device only after its update has run: what lets
+        # the updates of one step run on into the next step's forward (``settle(wait=False)``).
         self._updates: dict[int, Future] = {}
         self._claimed: set[int] = set()  # ids of the stores given to ``on_grads_final`` in this step
         self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
