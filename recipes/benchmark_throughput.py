@@ -120,6 +120,14 @@ def _one_run(args: argparse.Namespace) -> dict:
                 t = time.perf_counter()
                 steps_t.append(t - self.t0)
                 self.t0 = t
+                engine = getattr(trainer.strategy, "engine", None)
+                if engine is not None:  # per step: host AdamW busy, and the GPU-feeding thread's wait for it
+                    hosts = trainer.strategy.precision_plugin.host_optimizers.values()
+                    busy, wait = sum(h.update_seconds for h in hosts), engine.update_wait_s
+                    last = getattr(self, "last", (0.0, 0.0))
+                    print(f"host step {len(steps_t)}: {steps_t[-1]:.4f} s, AdamW busy {busy - last[0]:.4f} s, "
+                          f"forward waited for updates {wait - last[1]:.4f} s", file=sys.stderr, flush=True)
+                    self.last = (busy, wait)
 
     callbacks: list = [Timer()]
     if args.breakdown and args.strategy == "megatrain":
@@ -352,7 +360,7 @@ def main() -> None:
         if proc.returncode == 0:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{label}: step times {result.pop('step_times')} ({time.time() - t0:.0f} s with setup)")
-            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith(("breakdown", "sync-debug", "profile", "[profile"))))
+            print("\n".join(l for l in proc.stderr.splitlines() if l.startswith(("breakdown", "sync-debug", "profile", "[profile", "host step"))))
             print(f"peak GPU allocated {result.get('peak_gpu_alloc_gib')} GiB")
             row.update(result, status="ok")
         else:

@@ -108,6 +108,7 @@ def test_updates_run_earliest_deadline_first_into_the_next_forward_exactly(monke
     # acquisitions of block 0 per step: the forward's, then the recompute's (it is not kept)
     second_forward = forward_acquires[2]
     assert second_forward < last_update_of_step_1
+    assert engine.update_wait_s >= SLOW  # and the forward waited for updates, as its diagnostics count
 
 
 def test_host_worker_runs_the_lowest_priority_first_and_fifo_among_equals() -> None:

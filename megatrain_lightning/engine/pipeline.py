@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Literal, Sequence
@@ -441,6 +442,7 @@ class StreamingEngine:
         # the updates of one step run on into the next step's forward (``settle(wait=False)``).
         self._updates: dict[int, Future] = {}
         self._claimed: set[int] = set()  # ids of the stores given to ``on_grads_final`` in this step
+        self.update_wait_s = 0.0  # host seconds this thread spent waiting for updates to run (diagnostics)
         self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
 
         self._original_forwards: dict[int, Callable[..., Any]] = {}
@@ -555,7 +557,11 @@ class StreamingEngine:
             return True
         if not block and not fut.done():
             return False
-        fut.result()  # host wait (the host optimizer is the bottleneck here); raises what it raised
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()  # host wait (the host optimizer is the bottleneck here); raises what it raised
+            self.update_wait_s += time.perf_counter() - t0
+        fut.result()
         del self._updates[key]
         return True
 
