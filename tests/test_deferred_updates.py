@@ -224,3 +224,17 @@ def test_run_on_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     probe = PendingProbe(reads_weights=False)
     fit(partial(ZOO["llama"], optimizer="adamw", lr=3e-3), megatrain(overlap_next_forward=False), max_steps=2, callbacks=[probe])
     assert probe.pending == [0, 0]
+
+
+def test_lightnings_default_callbacks_keep_the_run_on(tmp_path: Any) -> None:
+    """Progress bar, model summary and checkpointing (Lightning's defaults) read no weights between steps
+    (checkpoints go through the strategy, which waits): the updates still run on into the next forward."""
+    from megatrain_lightning import MegaTrainStrategy
+    from test_streaming import HooklessNet, _loader
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegaTrainStrategy(), max_steps=2, logger=False,
+                        default_root_dir=tmp_path, enable_progress_bar=True, enable_model_summary=True,
+                        enable_checkpointing=True)
+    assert len(trainer.callbacks) >= 3  # progress bar, model summary, checkpointing (Rich or plain variants)
+    trainer.fit(HooklessNet(depth=2), _loader())
+    assert trainer.strategy.precision_plugin.defer_updates
