@@ -142,8 +142,8 @@ def test_host_worker_takes_ready_jobs_first_else_the_oldest() -> None:
     f1 = worker.submit(1, lambda: (copies["b1"].wait(), ran.append("b1")), ready=copies["b1"].is_set)
     f0 = worker.submit(0, lambda: (copies["b0"].wait(), ran.append("b0")), ready=copies["b0"].is_set)
     gate.set()
-    threading.Timer(0.2, copies["b1"].set).start()
-    threading.Timer(0.4, copies["b0"].set).start()
+    threading.Timer(0.5, copies["b1"].set).start()
+    threading.Timer(1.0, copies["b0"].set).start()
     f0.result(timeout=5), f1.result(timeout=5)
     # b2 ran at once; then nothing was ready, so the oldest (b1) was taken and waited for
     assert ran == ["b2", "b1", "b0"]
