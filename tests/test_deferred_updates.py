@@ -238,3 +238,22 @@ def test_lightnings_default_callbacks_keep_the_run_on(tmp_path: Any) -> None:
     assert len(trainer.callbacks) >= 3  # progress bar, model summary, checkpointing (Rich or plain variants)
     trainer.fit(HooklessNet(depth=2), _loader())
     assert trainer.strategy.precision_plugin.defer_updates
+
+
+class UpdateListProbe(L.Callback):
+    megatrain_reads_weights = False  # it counts futures only
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.sizes.append(len(trainer.strategy.engine.grads.updates))
+
+
+def test_finished_updates_are_not_kept_over_a_long_run() -> None:
+    """Running on, the step never waits for all updates at once: the engine must not keep one future
+    per update for the whole run."""
+    probe = UpdateListProbe()
+    fit(partial(ZOO["llama"], optimizer="adamw", lr=3e-3), megatrain(), max_steps=8, callbacks=[probe])
+    stores = 2 + len(ZOO["llama"]().model.model.layers)  # blocks and the two resident parts
+    assert len(probe.sizes) == 8 and max(probe.sizes) <= 2 * stores, probe.sizes

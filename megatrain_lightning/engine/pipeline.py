@@ -194,13 +194,19 @@ class _GradPath:
             self.pending.append(fut)
             if then is not None:  # a job of its own, so that draining the gradients does not wait for it
                 fut = self.worker.submit(priority, then, store, ready=fut.done)  # after the add
-                self.updates.append(fut)
+                self._track(fut)
                 return fut
         elif then is not None:
             fut = self.worker.submit(priority, self._after_copy, done, store, then, lent, self.pool_free, ready=done.query)
-            self.updates.append(fut)
+            self._track(fut)
             return fut
         return None
+
+    def _track(self, fut: Future) -> None:
+        """Keep ``fut`` for :meth:`wait_updates`. Updates that run on into the next step are never waited
+        for in bulk, so finished ones are dropped here (failed ones stay, to raise there)."""
+        self.updates = [f for f in self.updates if not f.done() or f.exception() is not None]
+        self.updates.append(fut)
 
     def _lend(self, store: FlatStore) -> torch.Tensor | None:
         """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger)."""
@@ -557,11 +563,9 @@ class StreamingEngine:
             return True
         if not block and not fut.done():
             return False
-        if not fut.done():
-            t0 = time.perf_counter()
-            fut.result()  # host wait (the host optimizer is the bottleneck here); raises what it raised
-            self.update_wait_s += time.perf_counter() - t0
-        fut.result()
+        t0 = time.perf_counter()
+        fut.result()  # host wait (the host optimizer is the bottleneck here); raises what it raised
+        self.update_wait_s += time.perf_counter() - t0
         del self._updates[key]
         return True
 
