@@ -26,7 +26,7 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .engine.host_adam import AdamHyper, CompactSpan, compact_adam_step, fused_adam_step
+from .engine.host_adam import AdamHyper, CompactSpan, Piece, compact_adam_step, fused_adam_step, fused_adam_step_half
 from .engine.host_store import FlatStore
 
 
@@ -243,25 +243,14 @@ class HostOptimizer:
         opt = self.optimizer
         return self.can_overlap() and not _global_optimizer_post_hooks and not opt._optimizer_step_post_hooks
 
-    def overlap_update(self) -> Callable[[FlatStore], None]:
+    def overlap_update(self) -> "StoreUpdate":
         """The update of one store, to run on the host worker as soon as its gradients are final.
 
         The hyperparameters are read now, at the start of the step: the update may run after the LR
         scheduler has already stepped (updates run on into the next forward). The caller passes the stores
         it ran this on to :meth:`step` as ``skip``.
         """
-        hypers = [self._hyper(g) for g in self.optimizer.param_groups]
-
-        def update(store: FlatStore) -> None:  # host worker thread
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for hyper, ranges in zip(hypers, self.ranges):
-                    for r in ranges:
-                        if r.store is store:
-                            self._step_range(r, hyper)
-            self.update_seconds += time.perf_counter() - t0
-
-        return update
+        return StoreUpdate(self, [self._hyper(g) for g in self.optimizer.param_groups])
 
     def _hyper(self, group: dict[str, Any]) -> AdamHyper:
         beta1, beta2 = group["betas"]
@@ -280,6 +269,9 @@ class HostOptimizer:
             self._step_range_compact(r, hyper)
             return
         store = r.store
+        if store.half_grad is not None:
+            self._step_range_half(r, hyper)
+            return
         grad_views = store.grad_views if store.grad is not None else None
         # Steady state: every gradient is the store's own view and every state exists -> cached lists.
         if r.cache is not None and grad_views is not None and r.cache_grad is store.grad and all(
@@ -308,11 +300,29 @@ class HostOptimizer:
         ) else None
         r.cache_grad = store.grad
 
+    def _step_range_half(self, r: _Range, hyper: AdamHyper) -> None:
+        """The update of one range from the store's bf16 gradients (``FlatStore.hold_half_grad``): every
+        parameter of the store has one, none has a ``.grad``."""
+        store = r.store
+        assert store.half_grad is not None
+        ea, eas = store.moment_buffers()
+        if r.ea_views is None:
+            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        state = self.optimizer.state
+        offsets = store.layout.offsets
+        steps = [_ensure_state(state[p], r, i)["step"] for i, p in zip(r.indices, r.params)]
+        torch._foreach_add_(steps, 1)
+        pieces = [Piece(offsets[i], offsets[i] + p.numel(), step) for i, p, step in zip(r.indices, r.params, steps)]
+        fused_adam_step_half(store.master, ea, eas, store.half_grad, pieces, hyper)
+
     def _step_range_compact(self, r: _Range, hyper: AdamHyper) -> None:
         """The compact-state update of one range: one span per run of adjacent parameters whose
         gradients are the store's own accumulator views and whose step counts agree."""
         store = r.store
         ea, eas = store.moment_buffers()
+        if store.half_grad is not None:  # bf16 gradients, one for every parameter: spans of equal steps
+            self._step_range_compact_half(r, hyper)
+            return
         grad_views = store.grad_views if store.grad is not None else None
         if r.compact_cache is not None and grad_views is not None and r.cache_grad is store.grad and all(
             p.grad is grad_views[i] for i, p in zip(r.indices, r.params)
@@ -354,6 +364,99 @@ class HostOptimizer:
         complete = len(steps) == len(r.params) and all(run[2] for run in runs)
         r.compact_cache = (spans, steps) if complete else None
         r.cache_grad = store.grad
+
+    def _step_range_compact_half(self, r: _Range, hyper: AdamHyper) -> None:
+        store = r.store
+        assert store.half_grad is not None
+        ea, eas = store.moment_buffers()
+        if r.ea_views is None:
+            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        low_views = store.layout.views(store.master_low) if store.master_low is not None else None
+        state = self.optimizer.state
+        offsets = store.layout.offsets
+        steps = [_ensure_state(state[p], r, i, low_views)["step"] for i, p in zip(r.indices, r.params)]
+        spans: list[CompactSpan] = []
+        first = None
+        for k, (i, p) in enumerate(zip(r.indices, r.params)):
+            if first is None:
+                first = k
+            last = k == len(steps) - 1 or float(steps[k + 1]) != float(steps[first]) or r.indices[k + 1] != i + 1
+            if last:
+                start, end = offsets[r.indices[first]], offsets[i] + p.numel()
+                spans.append(CompactSpan(start, end, store.half_grad[start:end], steps[first]))
+                first = None
+        # one increment per parameter; a span passes its first parameter's (equal) step to the kernel
+        torch._foreach_add_(steps, 1)
+        compact_adam_step(store.master, store.master_low, ea, eas, spans, hyper)
+
+
+class StoreUpdate:
+    """One step's overlapped update of a store (``update(store)``), or of a flat range of an fp32 store
+    at a time (``update.range(store, lo, hi)``), with the hyperparameters read at the start of the step.
+
+    Ranges let a large store's update be pipelined with its copies (the engine's resident part: gradients
+    come in and weights go out range by range while the next range is updated). Called for consecutive
+    ranges covering the store, with ``lo`` and ``hi`` multiples of 16, they give bit for bit the update
+    of the whole store: the kernel is elementwise and every piece of a parameter starts a multiple of 16
+    elements from its start (``host_adam.fused_adam_step_half`` says why that matters).
+    """
+
+    def __init__(self, host: HostOptimizer, hypers: list[AdamHyper]) -> None:
+        self.host = host
+        self.hypers = hypers
+
+    def __call__(self, store: FlatStore) -> None:  # host worker thread
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for hyper, ranges in zip(self.hypers, self.host.ranges):
+                for r in ranges:
+                    if r.store is store:
+                        self.host._step_range(r, hyper)
+        self.host.update_seconds += time.perf_counter() - t0
+
+    def can_range(self, store: FlatStore) -> bool:
+        """Whether :meth:`range` applies: fp32 stores with fp32 gradients (not compact, not bf16)."""
+        return not store.compact
+
+    def range(self, store: FlatStore, lo: int, hi: int) -> None:  # host worker thread
+        """Update the elements ``[lo, hi)`` of ``store``: each parameter's step count goes up with the
+        range that holds its first element; a parameter without ``.grad`` is not updated (as torch)."""
+        t0 = time.perf_counter()
+        host = self.host
+        state = host.optimizer.state
+        offsets = store.layout.offsets
+        with torch.no_grad():
+            ea, eas = store.moment_buffers()
+            for hyper, ranges in zip(self.hypers, host.ranges):
+                for r in ranges:
+                    if r.store is not store:
+                        continue
+                    if r.ea_views is None:
+                        r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+                    ps, gs, ms, vs, steps, fresh = [], [], [], [], [], []
+                    for i, p in zip(r.indices, r.params):
+                        start = offsets[i]
+                        a, b = max(start, lo), min(start + p.numel(), hi)
+                        if a >= b or p.grad is None:
+                            continue
+                        st = _ensure_state(state[p], r, i)
+                        if a == start:
+                            fresh.append(st["step"])
+                        ps.append(store.master[a:b])
+                        gs.append(p.grad.detach().reshape(-1)[a - start : b - start])
+                        ms.append(ea[a:b])
+                        vs.append(eas[a:b])
+                        steps.append(st["step"])
+                    if fresh:
+                        torch._foreach_add_(fresh, 1)
+                    if ps:
+                        kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+                        kernel(
+                            ps, gs, ms, vs, [], steps,
+                            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+                            eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+                        )
+        host.update_seconds += time.perf_counter() - t0
 
 
 def _ensure_state(st: dict[str, Any], r: _Range, i: int, low_views: list[torch.Tensor] | None = None) -> dict[str, Any]:

@@ -129,11 +129,17 @@ class RunSettings:
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
     head_in_backward: bool = True  # an untied head's update overlaps the backward (False: engines before commit 2f37add)
+    bf16_grads: bool = True  # MegaTrainStrategy.bf16_grads (False: every gradient fp32, as before it existed)
 
     @property
     def pooled_grads(self) -> bool:
         """Whether block gradients live in the pool rather than in full-size accumulators."""
         return self.accumulate == 1 and self.grad_buffers > 0 and not self.clip
+
+    @property
+    def half_grads(self) -> bool:
+        """Whether block gradients travel and wait on the host as bf16 (straight into the overlapped update)."""
+        return self.bf16_grads and self.bf16 and self.accumulate == 1 and not self.clip
 
     @property
     def tokens(self) -> int:
@@ -169,9 +175,11 @@ class Plan:
 
 # ------------------------------------------------------------------------------------------------ bytes
 def grad_host_bytes(shape: PlanShape, run: RunSettings) -> float:
-    """fp32 gradients on the host: full-size accumulators, or the pool plus the stores larger than a block."""
+    """Gradients on the host: full-size accumulators (bf16 for blocks with ``half_grads``), or the pool
+    plus the stores larger than a block."""
     if not run.pooled_grads:
-        return GRAD_B * shape.total_params
+        block_b = 2 if run.half_grads else GRAD_B
+        return block_b * shape.block_params + GRAD_B * shape.resident_params
     own = shape.resident_params if shape.resident_params > shape.largest_block else 0
     return GRAD_B * (run.grad_buffers * shape.largest_block + own)
 
@@ -179,8 +187,10 @@ def grad_host_bytes(shape: PlanShape, run: RunSettings) -> float:
 def host_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
     """Host memory by item: 16 B/param of state (compact: 12; less with pooled gradients), pinned
     gradient staging, the process."""
-    grad_path = max(shape.largest_block, shape.resident_params)  # _GradPath's numel: slabs and staging
-    grad_item = f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads else "fp32 grad accumulator (4 B/param)"
+    grad_path = max(shape.largest_block, resident_part_params(shape, run))  # _GradPath's numel: slabs and staging
+    grad_item = (f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads
+                 else "grad buffers (blocks 2 B/param bf16, resident 4)" if run.half_grads
+                 else "fp32 grad accumulator (4 B/param)")
     if run.compact_state:
         state = {
             "master, bf16 + int16 halves (4 B/param)": MASTER_B * shape.total_params,
@@ -240,6 +250,18 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float
     return scale * (tokens * per_token + 2 * shape.largest_block)
 
 
+def untied_head_params(shape: PlanShape) -> int:
+    """Parameters of an untied LM head (0 when tied): with the final norm, the resident part after the blocks."""
+    return shape.head_params if shape.resident_params >= 2 * shape.head_params > 0 else 0
+
+
+def resident_part_params(shape: PlanShape, run: RunSettings) -> int:
+    """The larger resident part (engine/resident.py): the part before the blocks (embeddings, a tied head)
+    or after them (an untied head); one part in engines before the split (``head_in_backward`` False)."""
+    after = untied_head_params(shape) if run.head_in_backward else 0
+    return max(shape.resident_params - after, after)
+
+
 def gpu_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
     """Device memory by item at this micro-batch shape (see `gpu_peak` for how they combine)."""
     compute_b = 2 if run.bf16 else 4
@@ -255,8 +277,11 @@ def gpu_bytes(shape: PlanShape, run: RunSettings) -> dict[str, float]:
     return {
         f"weight slots ({run.slots} + {cached} cached, x block x {compute_b} B) + staging": (run.slots + cached)
         * shape.largest_block * compute_b + staging,
-        "grad slabs (2 x grad path x 4 B)": 2 * max(shape.largest_block, shape.resident_params) * 4,
-        "resident params + grads (8 B/param)": 8 * shape.resident_params,
+        "grad slabs (2 x grad path x 4 B)": 2 * max(shape.largest_block, resident_part_params(shape, run)) * 4,
+        # fp32 copies of all; gradients of the part before the blocks (the after part's went home at the
+        # first block's backward, before the peak)
+        "resident params + grads": 4 * shape.resident_params
+        + 4 * (shape.resident_params - (untied_head_params(shape) if run.head_in_backward else 0)),
         "LM head autocast copy (2 B/param)": 2 * shape.head_params if run.bf16 else 0,
         "saved block inputs (fp32)": (min(saved, 2) if run.offload_inputs else saved) * tokens * shape.hidden * 4,
         f"saved: kept activations ({keep} blocks)": keep * tokens * scale * (
@@ -311,19 +336,20 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
-    d2h_bwd = 4 * shape.total_params / (link * BIDIRECTIONAL_FACTOR)
+    grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
+    d2h_bwd = (grad_b * shape.block_params + 4 * shape.resident_params) / (link * BIDIRECTIONAL_FACTOR)
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (COMPACT_ADAM_SPEED if run.compact_state else 1.0)
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
     # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.
-    untied_head = shape.head_params if shape.resident_params >= 2 * shape.head_params > 0 else 0
+    untied_head = untied_head_params(shape)
     adam_after = untied_head / adam_rate if run.head_in_backward and not run.clip else 0.0
     adam_before = adam_resident - adam_after
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
-    # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
-    # copies write 4 B/param into host memory and the re-streamed blocks' masters are read again: the
-    # update gets that much less of the same bandwidth.
-    shared = (28 + 4 + weight_b * streamed) / 28
+    # The AdamW rate is host memory bandwidth (28 B/param; 26 when it reads bf16 gradients). Beside it in
+    # the last backward, the gradient copies write 4 (bf16: 2) B/param into host memory and the
+    # re-streamed blocks' masters are read again: the update gets that much less of the same bandwidth.
+    shared = (28 - (2 if run.half_grads else 0) + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)

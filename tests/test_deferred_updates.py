@@ -26,7 +26,7 @@ from conftest import assert_parity, fit, megatrain
 from megatrain_lightning.engine import RESIDENT, RESIDENT_AFTER
 from megatrain_lightning.engine.host_worker import HostWorker
 from megatrain_lightning.engine.pipeline import StreamingEngine
-from megatrain_lightning.optim import HostOptimizer
+from megatrain_lightning.optim import HostOptimizer, StoreUpdate
 from zoo import ZOO
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -57,7 +57,16 @@ class Timeline:
             timeline.log("acquire", block)
             return out
 
+        def slow_range(update: StoreUpdate, store: Any, lo: int, hi: int) -> None:  # the resident part's, by ranges
+            if lo == 0:
+                time.sleep(SLOW)
+            update_range(update, store, lo, hi)
+            if hi == store.numel:
+                timeline.log("update", timeline.key_of(store))
+
+        update_range = StoreUpdate.range
         monkeypatch.setattr(HostOptimizer, "_step_range", slow_step_range)
+        monkeypatch.setattr(StoreUpdate, "range", slow_range)
         monkeypatch.setattr(StreamingEngine, "acquire", logged_acquire)
 
     def key_of(self, store: Any) -> int:

@@ -37,9 +37,14 @@ HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision=
 
 def test_host_bytes_by_hand() -> None:
     host = host_bytes(SHAPE, RUN)
-    assert list(host.values()) == [4000, 4000, 8000, 2 * 400 * 4, 0, PROCESS_OVERHEAD_GB * GB]
+    # staging: the gradient path is a block (300) or the larger resident part (embedding 200, untied head 200)
+    assert list(host.values()) == [4000, 4000, 8000, 2 * 300 * 4, 0, PROCESS_OVERHEAD_GB * GB]
     assert host_bytes(SHAPE, dataclasses.replace(RUN, accumulate=1))["grad staging (2 x grad path x 4 B)"] == 0
-    assert pinned_bytes(SHAPE, RUN) == 8000 + 3200  # masters + grads + staging
+    assert pinned_bytes(SHAPE, RUN) == 8000 + 2400  # masters + grads + staging
+    # one micro-batch per step: blocks' gradients in bf16 buffers of their own (2 B/param), the resident 4
+    single = dataclasses.replace(RUN, accumulate=1, grad_buffers=0)
+    assert list(host_bytes(SHAPE, single).values())[:3] == [4000, 2 * 600 + 4 * 400, 8000]
+    assert list(host_bytes(SHAPE, dataclasses.replace(single, bf16_grads=False)).values())[:3] == [4000, 4000, 8000]
     # offloaded inputs: one per recomputed block (the kept one saves none), rounded up to a power of two
     offload = host_bytes(SHAPE, dataclasses.replace(RUN, offload_inputs=True, keep_activations=1))
     assert offload["offloaded block inputs (pinned)"] == 1 * 256  # 2 x 3 tokens x 8 hidden x 4 B = 192 -> 256
@@ -50,15 +55,18 @@ def test_gpu_bytes_by_hand() -> None:
     tokens = 2 * 3
     assert list(gpu.values()) == [
         3 * 300 * 2 + 300 * 4,  # slots: bf16 weights + one fp32 staging buffer
-        2 * 400 * 4,  # slabs sized to the resident set, the larger
-        8 * 400,  # resident fp32 copies + fp32 grads
+        2 * 300 * 4,  # slabs sized to a block, larger than either resident part (200 each)
+        4 * 400 + 4 * 200,  # resident fp32 copies + the embedding's fp32 grads (the head's went home early)
         2 * 200,  # bf16 autocast copy of the head
         2 * tokens * 8 * 4,  # saved fp32 block inputs
         0,  # no kept activations
         tokens * 50 * 12,  # logits: saved log_softmax + nll grad + input grad, fp32
         tokens * (34 * 8 + 6 * 4 + 12 * 16) + 2 * 300,  # one block's recompute + its bf16 param grads
     ]
-    assert gpu_peak(gpu) == 3000 + 3200 + 3200 + 400 + 384 + max(3600, 3528)
+    assert gpu_peak(gpu) == 3000 + 2400 + 2400 + 400 + 384 + max(3600, 3528)
+    # engines before the resident split (one part, all gradients until the end of the backward)
+    old = gpu_bytes(SHAPE, dataclasses.replace(RUN, head_in_backward=False))
+    assert list(old.values())[1:3] == [2 * 400 * 4, 8 * 400]
     # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
     kept = gpu_bytes(SHAPE, dataclasses.replace(RUN, keep_activations=1, cache_weights=2, offload_inputs=True))
     assert list(kept.values())[0] == (3 + 2) * 300 * 2 + 300 * 4
@@ -130,7 +138,7 @@ def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     """Host-bound (slow host AdamW): without run-on the forward waits for every update; with it the step
     is the host's work alone; pooled buffers leave at most `grad_buffers` blocks' updates to the forward."""
     slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4)
-    run = dataclasses.replace(RUN, accumulate=1, grad_buffers=0)
+    run = dataclasses.replace(RUN, accumulate=1, grad_buffers=0, bf16_grads=False)
     # the untied head (200) is updated during the backward, the embedding (200) between steps
     adam_blocks, adam_resident = 600 / 1e5 * (28 + 4 + 4) / 28 + 200 / 1e5, 200 / 1e5
     off = make_plan(SHAPE, dataclasses.replace(run, run_on=False), slow, refuse=False)
@@ -143,3 +151,7 @@ def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     pool_hides = 600 / 1e5 * (28 + 4 + 4) / 28 / 2  # one of the two blocks' updates
     assert pooled.step_s == pytest.approx(adam_resident + max(fwd_first + bwd, fwd_first + adam_blocks - pool_hides, adam_blocks))
     assert on.step_s <= pooled.step_s < off.step_s
+    # bf16 gradients: the AdamW reads 26 B/param instead of 28 and the copies write 2 instead of 4
+    half = make_plan(SHAPE, dataclasses.replace(run, bf16_grads=True), slow, refuse=False)
+    assert half.times["host optimizer"] == pytest.approx(600 / 1e5 * (26 + 2 + 4) / 28 + 200 / 1e5 + 200 / 1e5)
+    assert half.step_s < on.step_s

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -100,6 +101,40 @@ class CopyCounters:
         table[key] = table.get(key, 0) + 1
 
 
+# Elements per range of a pipelined resident update (see RangedUpdate): 128 MB of fp32, a few ms on the
+# link each way and ~8 ms of AdamW on the 16-core H200 host.
+RANGE_ELEMS = 1 << 25
+
+
+class RangedUpdate:
+    """A store's update done range by range, each range signalled as soon as it is updated.
+
+    Why: the resident part before the blocks (input embedding, tied head) is updated between one step's
+    backward and the next forward, where the device waits for it. Whole, that is its gradients' copy to
+    the host, then the AdamW, then its weights' copy back (0.31 B params at 3B: ~22 + 80 + 22 ms).
+    Range by range, range j's AdamW runs while range j+1's gradients come in and range j-1's weights go
+    out: ~3 + 80 + 3 ms.
+
+    ``bounds``: 0 = b0 < b1 < ... < bk = numel, multiples of 16 (``StoreUpdate.range`` needs them so).
+    Buffer lifetime: the master range ``[b(j), b(j+1))`` may be copied to the device once ``done[j]`` is
+    set; every signal is set when the job ends, failed or not (the future then says which). ``whole``:
+    the update was not split after all (wait for its future, as for any store).
+    """
+
+    def __init__(self, numel: int, range_elems: int) -> None:
+        step = max(16, range_elems // 16 * 16)
+        self.bounds = list(range(0, numel, step)) + [numel]
+        self.done = [threading.Event() for _ in range(len(self.bounds) - 1)]
+        self.whole = False  # set by the gradient path when the update could not be split
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self.bounds[:-1], self.bounds[1:]))
+
+    def release(self) -> None:
+        for e in self.done:
+            e.set()
+
+
 class _GradPath:
     """Device slabs → pinned host memory → fp32 accumulators, for blocks and resident parameters."""
 
@@ -112,8 +147,10 @@ class _GradPath:
         pool_buffers: int = 0,
         pool_numel: int = 0,
         threads: int | None = None,
+        half: bool = True,
     ) -> None:
         self.streams = streams
+        self.half = half  # bf16 gradients bound for an update travel as bf16 (see send)
         self.numel = numel
         self.device = device
         self.pins = pins
@@ -139,6 +176,7 @@ class _GradPath:
         self.pool_free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.pool_made = 0
         self.lent = 0  # buffers lent over the run (for tests and logs)
+        self.half_sent = 0  # stores whose gradients travelled as bf16 (for tests and logs)
 
     def send(
         self,
@@ -146,47 +184,84 @@ class _GradPath:
         grads: Sequence[torch.Tensor | None],
         then: Callable[[FlatStore], None] | None = None,
         priority: int = 0,
+        ranged: RangedUpdate | None = None,
     ) -> Future | None:
         """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
 
-        ``then(store)`` runs on the host worker once they are in the fp32 accumulator (the overlapped
-        optimizer update of that store); its future is returned. ``priority``: the store's place in the
-        next forward (see ``host_worker.py``).
+        ``then(store)`` runs on the host worker once they are in host memory (the overlapped optimizer
+        update of that store); its future is returned. ``priority``: the store's place in the next
+        forward (see ``host_worker.py``).
+
+        Three ways in: bf16 gradients that go straight into ``then`` (every parameter has one, none holds
+        one: ``FlatStore.hold_half_grad``) travel as they are, at half the bytes; otherwise they are
+        widened to fp32 on the device and land in the fp32 accumulator (directly when it holds nothing
+        that must be kept), or in pinned staging that the worker adds in.
+
+        ``ranged``: when the gradients land directly and ``then.range`` can update this store, copy and
+        update them range by range (:class:`RangedUpdate`); else it is released at once.
         """
         layout = store.layout
         n = layout.numel
         k = self.turn
         self.turn ^= 1
-        slab = self.slabs[k][:n]
+        empty = all(p.grad is None for p in layout.params)
+        half = (
+            self.half
+            and then is not None
+            and empty
+            and all(g is not None and g.dtype == torch.bfloat16 for g in grads)
+            and not self._busy(store)
+        )
+        # the two device slabs are fp32; a bf16 store's gradients use the first half of one's bytes
+        slab = self.slabs[k].view(torch.bfloat16)[:n] if half else self.slabs[k][:n]
         compute = self.streams.compute()
         # Slab lifetime: wait (on the device) until the previous D2H copy out of this slab has finished.
         self.streams.wait(compute, self.slab_done[k])
         slab.zero_()  # padding and absent gradients must read as zeros on the host
         present = [(v, g) for v, g in zip(layout.views(slab), grads) if g is not None]
         if present:
-            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32 (not if half)
         self.slab_written[k].record(compute)
 
         lent = None
-        if then is not None and store.grad is None and all(p.grad is None for p in layout.params):
-            lent = self._lend(store)
-        host = store.grad_buffer()
+        if then is not None and store.grad is None and empty:
+            lent = self._lend(store, half)
+        if half:
+            target = store.hold_half_grad(lent)
+            direct = True
+            self.half_sent += 1
+        else:
+            host = store.grad_buffer()
+            # Straight into the accumulator only when it holds nothing that must be kept.
+            direct = empty and not self._busy(store)
+            target = host[:n] if direct else self._take_staging(n)
         fresh = [g is not None and p.grad is None for p, g in zip(layout.params, grads)]
         held = [p.grad is not None for p in layout.params]
-        # Straight into the accumulator only when it holds nothing that must be kept.
-        direct = all(p.grad is None for p in layout.params) and not self._busy(store)
-        target = host[:n] if direct else self._take_staging(n)
         assert lent is None or direct  # a lent buffer holds nothing yet: its store's copy lands straight in it
         # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
+        update_range = getattr(then, "range", None)
+        if ranged is not None and not (
+            direct and not half and lent is None and update_range is not None and then.can_range(store)
+        ):
+            ranged.whole = True  # updated whole, as any other store: its weights go once the future is done
+            ranged = None
         done = self.slab_done[k] = self.streams.event()
+        landed: list[Any] = []
         with self.streams.on(self.streams.d2h):
             self.streams.wait(self.streams.d2h, self.slab_written[k])
-            target.copy_(slab, non_blocking=True)
+            if ranged is None:
+                target.copy_(slab, non_blocking=True)
+            else:
+                for a, b in ranged.ranges():  # one copy and one event per range
+                    target[a:b].copy_(slab[a:b], non_blocking=True)
+                    landed.append(self.streams.event())
+                    landed[-1].record(self.streams.d2h)
             done.record(self.streams.d2h)
-        # Attach before the worker may look: the overlapped update reads ``p.grad``.
-        for p, view, f in zip(layout.params, store.grad_views, fresh):
-            if f:
-                p.grad = view
+        if not half:
+            # Attach before the worker may look: the overlapped update reads ``p.grad``.
+            for p, view, f in zip(layout.params, store.grad_views, fresh):
+                if f:
+                    p.grad = view
         if not direct:
             fut = self.worker.submit(priority, self._accumulate, done, store, target, fresh, held, ready=done.query)
             self.staging_busy[self._staged] = fut
@@ -196,11 +271,30 @@ class _GradPath:
                 fut = self.worker.submit(priority, then, store, ready=fut.done)  # after the add
                 self._track(fut)
                 return fut
+        elif ranged is not None:
+            fut = self.worker.submit(priority, self._ranged_update, landed, store, update_range, ranged, ready=landed[0].query)
+            self._track(fut)
+            return fut
         elif then is not None:
-            fut = self.worker.submit(priority, self._after_copy, done, store, then, lent, self.pool_free, ready=done.query)
+            fut = self.worker.submit(
+                priority, self._after_copy, done, store, then, lent, self.pool_free, half, ready=done.query
+            )
             self._track(fut)
             return fut
         return None
+
+    @staticmethod
+    def _ranged_update(
+        landed: list[Any], store: FlatStore, update_range: Callable[[FlatStore, int, int], None], ranged: RangedUpdate
+    ) -> None:
+        """Host worker: range j's update once its gradients' copy has landed, then its signal."""
+        try:
+            for j, (a, b) in enumerate(ranged.ranges()):
+                landed[j].synchronize()  # host worker: this range's D2H copy has landed
+                update_range(store, a, b)
+                ranged.done[j].set()
+        finally:
+            ranged.release()  # a failure must not leave the device-feeding thread waiting
 
     def _track(self, fut: Future) -> None:
         """Keep ``fut`` for :meth:`wait_updates`. Updates that run on into the next step are never waited
@@ -208,8 +302,9 @@ class _GradPath:
         self.updates = [f for f in self.updates if not f.done() or f.exception() is not None]
         self.updates.append(fut)
 
-    def _lend(self, store: FlatStore) -> torch.Tensor | None:
-        """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger)."""
+    def _lend(self, store: FlatStore, half: bool = False) -> torch.Tensor | None:
+        """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger). With
+        ``half`` the caller reads it as bf16 (``FlatStore.hold_half_grad``), else it becomes ``store.grad``."""
         if self.pool_buffers == 0 or store.numel > self.pool_numel:
             return None
         try:
@@ -222,7 +317,8 @@ class _GradPath:
                 # Host wait: every buffer is lent to a queued update; the worker returns one when an
                 # update is done (the device runs ahead by `pool_buffers` blocks at most).
                 buf = self.pool_free.get()
-        store.lend_grad(buf)
+        if not half:
+            store.lend_grad(buf)
         self.lent += 1
         return buf
 
@@ -248,13 +344,19 @@ class _GradPath:
         then: Callable[[FlatStore], None],
         lent: torch.Tensor | None,
         pool: "queue.SimpleQueue[torch.Tensor]",
+        half: bool = False,
     ) -> None:
         done.synchronize()  # host worker: the D2H copy into the accumulator has landed
         try:
             then(store)
         finally:
-            if lent is not None:  # the update has read the gradients: the buffer goes back to the pool
+            # Buffer lifetime: the update has read the gradients; bf16 ones are let go, a lent buffer
+            # goes back to the pool.
+            if half:
+                store.drop_half_grad()
+            elif lent is not None:
                 store.return_grad()
+            if lent is not None:
                 pool.put(lent)
 
     @staticmethod
@@ -330,6 +432,11 @@ class StreamingEngine:
             recomputes the elementwise ops (norms, rotary, activation, residual adds) from them, a few
             percent of the block's time (``selective.py``). Less than half the memory per kept block,
             so about twice as many blocks can be kept in the same device memory.
+        bf16_grads: a block computed in bf16 whose gradients go straight into its overlapped update (no
+            accumulation, no ``.grad`` to keep) sends them home in bf16, where the update widens them
+            chunk by chunk: the same result bit for bit (a bf16 gradient widens to fp32 exactly), half
+            the device→host bytes, 2 B/param of pinned host buffer instead of 4, and 2 B/param less host
+            memory traffic in AdamW. Such blocks' ``.grad`` stay None. False: always widen on the device.
         cache_weights: the last ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype
             weights in fixed device slots for the whole optimizer step: one host→device copy per step
             instead of two per micro-batch, for one block of weights each (a 7B layer: 0.47 GB in bf16).
@@ -368,6 +475,7 @@ class StreamingEngine:
         grad_buffers: int | None = 4,
         kept_saves: KeptSaves = "all",
         host_threads: int | None = None,
+        bf16_grads: bool = True,
     ) -> None:
         n_blocks = len(blocks)
         if kept_saves not in KEPT_SAVES:
@@ -432,7 +540,9 @@ class StreamingEngine:
         if grad_buffers is None:
             grad_buffers = 0 if _accumulators_fit(self.all_stores()) else 4
         self.grad_buffers = grad_buffers
-        self.grads = _GradPath(self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads)
+        self.grads = _GradPath(
+            self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads, bf16_grads
+        )
         self.counters = CopyCounters()
 
         # Predicted call order of one micro-batch (forward, then backward) and the position in it.
@@ -448,6 +558,8 @@ class StreamingEngine:
         # the updates of one step run on into the next step's forward (``settle(wait=False)``).
         self._updates: dict[int, Future] = {}
         self._claimed: set[int] = set()  # ids of the stores given to ``on_grads_final`` in this step
+        self._ranged: dict[int, RangedUpdate] = {}  # updates of _updates done range by range (RESIDENT)
+        self.ranged_copies = 0  # ranges copied to the device as soon as updated, over the run (tests, logs)
         self.update_wait_s = 0.0  # host seconds this thread spent waiting for updates to run (diagnostics)
         self._calls: dict[int, int] = {}  # forward calls of each block not yet matched by a backward
 
@@ -613,8 +725,16 @@ class StreamingEngine:
             return
         store = part.store
         if part.stale:
-            if not self._await_update(part.key, block=wait):
-                return  # its owner's forward hook brings it later
+            fut = self._updates.get(part.key)
+            ranged = self._ranged.pop(part.key, None)
+            if fut is None:
+                ranged = None  # its update was waited for already: one copy
+            if ranged is None:
+                if not self._await_update(part.key, block=wait):
+                    return  # its owner's forward hook brings it later
+            elif not wait and not fut.done():
+                self._ranged[part.key] = ranged
+                return
             if part.device is None:
                 part.device = torch.empty(store.numel, device=self.device)
                 part.views = store.layout.views(part.device)
@@ -622,7 +742,15 @@ class StreamingEngine:
             with self.streams.on(self.streams.h2d):
                 if self.streams.cuda:
                     self.streams.h2d.wait_stream(compute)  # no queued kernel may still read the old copy
-                if store.master.dtype == part.device.dtype:
+                if ranged is not None:
+                    t0 = time.perf_counter()
+                    for j, (a, b) in enumerate(ranged.ranges()):
+                        ranged.done[j].wait()  # host wait: range j is updated (the rest may still be running)
+                        part.device[a:b].copy_(store.master[a:b], non_blocking=True)
+                    self.update_wait_s += time.perf_counter() - t0
+                    self._await_update(part.key)  # done by now; raises what the update raised
+                    self.ranged_copies += len(ranged.done)
+                elif store.master.dtype == part.device.dtype:
                     part.device.copy_(store.master, non_blocking=True)
                 else:  # bf16 masters (host_state="compact"): copy as they are, widen on the device
                     stage = torch.empty(store.numel, dtype=store.master.dtype, device=self.device)
@@ -673,7 +801,9 @@ class StreamingEngine:
             p.grad = saved
         part.on_device = False
         if with_grads and any(g is not None for g in grads):
-            self._send(part.key, store, grads, self.on_grads_final, part.priority)
+            # The part the next forward needs first: updated and copied back range by range
+            ranged = RangedUpdate(store.numel, RANGE_ELEMS) if part.key == RESIDENT and self.on_grads_final else None
+            self._send(part.key, store, grads, self.on_grads_final, part.priority, ranged)
             self.counters.bump(self.counters.d2h, part.key)
 
     def backward_starts(self, block: int) -> None:
@@ -900,12 +1030,15 @@ class StreamingEngine:
         self.counters.bump(self.counters.d2h, block)
 
     def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None],
-              then: Callable[[FlatStore], None] | None, priority: int | None = None) -> None:
+              then: Callable[[FlatStore], None] | None, priority: int | None = None,
+              ranged: RangedUpdate | None = None) -> None:
         # The worker runs jobs in the next forward's order: blocks by index, the resident parts around them.
-        fut = self.grads.send(store, grads, then, priority=key if priority is None else priority)
+        fut = self.grads.send(store, grads, then, priority=key if priority is None else priority, ranged=ranged)
         if fut is not None:
             self._updates[key] = fut
             self._claimed.add(id(store))
+            if ranged is not None and not ranged.whole:
+                self._ranged[key] = ranged
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

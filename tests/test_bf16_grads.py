@@ -1,0 +1,131 @@
+"""bf16 gradients straight into the host update (``bf16_grads=True``, the default).
+
+A block computed in bf16 has bf16 gradients. When its update overlaps the backward and nothing
+accumulates, they travel to the host as they are and the host AdamW widens them chunk by chunk
+(``host_adam.fused_adam_step_half``). Widening bf16 to fp32 is exact and the chunked kernel takes the same
+elementwise path per element as a whole-parameter call, so the training run must equal the one with
+``bf16_grads=False`` (gradients widened on the device, fp32 on the host) bit for bit: every loss and
+every weight. Tiny chunks make pieces of one parameter fall into several chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from megatrain_lightning.engine import host_adam
+
+from conftest import fit, megatrain
+from zoo import TinyLlama, TinyQwen2
+
+
+class EngineProbe(pl.Callback):
+    """Reads the engine's counters at the end of training (before the strategy's teardown)."""
+
+    megatrain_reads_weights = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        grads = trainer.strategy.engine.grads
+        self.half_sent, self.lent = grads.half_sent, grads.lent
+
+
+def _run(factory: Any, bf16_grads: bool, **strategy: Any) -> tuple[Any, EngineProbe]:
+    probe = EngineProbe()
+    run = fit(factory, megatrain(bf16_grads=bf16_grads, **strategy), precision="bf16-mixed", callbacks=[probe], max_steps=6)
+    return run, probe
+
+
+def _assert_identical(a: Any, b: Any) -> None:
+    assert a.losses == b.losses, f"losses differ:\n{a.losses}\n{b.losses}"
+    assert a.state.keys() == b.state.keys()
+    diff = [k for k in a.state if not torch.equal(a.state[k], b.state[k])]
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:4]}"
+
+
+@pytest.mark.parametrize(
+    ("factory", "strategy"),
+    [
+        (lambda: TinyLlama(param_groups=True), dict(grad_buffers=0)),  # own bf16 buffers, two param groups
+        (TinyQwen2, dict(grad_buffers=2)),  # pooled buffers read as bf16; tied embeddings (resident, fp32)
+        (TinyLlama, dict(host_state="compact", grad_buffers=0)),  # the compact kernel widens them too
+    ],
+    ids=["llama-groups-own", "qwen2-pool", "llama-compact"],
+)
+def test_bf16_gradients_train_exactly_like_fp32_gradients(factory: Any, strategy: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_adam, "CHUNK_ELEMS", 48)  # pieces of one parameter in several chunks
+    ref, ref_probe = _run(factory, False, **strategy)
+    got, got_probe = _run(factory, True, **strategy)
+    assert ref_probe.half_sent == 0
+    assert got_probe.half_sent == 3 * 6, got_probe.half_sent  # every block (3) of every step (6)
+    if strategy.get("grad_buffers"):
+        assert got_probe.lent > 0
+    _assert_identical(ref, got)
+    assert any(not torch.equal(ref.init_state[k], ref.state[k]) for k in ref.state)  # it trained
+
+
+def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
+    """In fp32 the gradients are fp32: nothing travels as bf16. In bf16, the blocks' parameters have no
+    ``.grad`` after a step whose updates took the bf16 path (their gradients went into the update)."""
+
+    class Grads(EngineProbe):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            engine = trainer.strategy.engine
+            engine.settle()  # let the updates running on finish before looking
+            self.block_grads = [p.grad for s in engine.stores for p in s.params]
+
+    probe = Grads()
+    fit(TinyLlama, megatrain(), precision="32-true", callbacks=[probe], max_steps=3)
+    assert probe.half_sent == 0
+    probe = Grads()
+    fit(TinyLlama, megatrain(), precision="bf16-mixed", callbacks=[probe], max_steps=3)
+    assert probe.half_sent > 0
+    assert all(g is None for g in probe.block_grads)
+
+
+def test_half_kernel_equals_whole_parameter_kernel() -> None:
+    """``fused_adam_step_half`` against ``fused_adam_step`` on widened gradients, bit for bit, with
+    parameter sizes that are not multiples of 16 (vector tails) and chunks that cut parameters."""
+    from megatrain_lightning.engine.host_adam import AdamHyper, Piece, fused_adam_step, fused_adam_step_half
+    from megatrain_lightning.engine.host_store import FlatLayout
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37,), (5, 19), (64,), (3,), (130, 7)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    layout = FlatLayout(params)
+    n = layout.numel
+
+    def state() -> tuple[torch.Tensor, ...]:
+        gg = torch.Generator().manual_seed(1)
+        master = torch.zeros(n)
+        for v, p in zip(layout.views(master), params):
+            v.copy_(p.detach())
+        m = torch.zeros(n)
+        v = torch.zeros(n)
+        for mv, vv in zip(layout.views(m), layout.views(v)):
+            mv.copy_(torch.randn(mv.shape, generator=gg) * 1e-3)
+            vv.copy_(torch.rand(vv.shape, generator=gg) * 1e-6)
+        return master, m, v
+
+    grad16 = torch.zeros(n, dtype=torch.bfloat16)
+    for view, p in zip(layout.views(grad16), params):
+        view.copy_(torch.randn(p.shape, generator=g) * 1e-2)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
+
+    ref_master, ref_m, ref_v = state()
+    steps = [torch.tensor(3.0) for _ in params]
+    fused_adam_step(
+        layout.views(ref_master), [x.float() for x in layout.views(grad16)], layout.views(ref_m), layout.views(ref_v), steps, hyper
+    )
+    for chunk in (16, 48, 1 << 20):
+        host_adam.CHUNK_ELEMS = chunk
+        try:
+            master, m, v = state()
+            steps = [torch.tensor(4.0) for _ in params]  # incremented already, as the caller does
+            pieces = [Piece(o, o + p.numel(), s) for o, p, s in zip(layout.offsets, params, steps)]
+            fused_adam_step_half(master, m, v, grad16, pieces, hyper)
+        finally:
+            host_adam.CHUNK_ELEMS = None
+        assert torch.equal(master, ref_master) and torch.equal(m, ref_m) and torch.equal(v, ref_v), chunk
