@@ -129,7 +129,7 @@ class RunSettings:
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
     head_in_backward: bool = True  # an untied head's update overlaps the backward (False: engines before commit 2f37add)
-    bf16_grads: bool = True  # MegaTrainStrategy.bf16_grads (False: every gradient fp32, as before it existed)
+    bf16_grads: bool = False  # MegaTrainStrategy.bf16_grads: block gradients travel and wait as bf16
 
     @property
     def pooled_grads(self) -> bool:
@@ -346,10 +346,12 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     adam_after = untied_head / adam_rate if run.head_in_backward and not run.clip else 0.0
     adam_before = adam_resident - adam_after
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
-    # The AdamW rate is host memory bandwidth (28 B/param; 26 when it reads bf16 gradients). Beside it in
-    # the last backward, the gradient copies write 4 (bf16: 2) B/param into host memory and the
-    # re-streamed blocks' masters are read again: the update gets that much less of the same bandwidth.
-    shared = (28 - (2 if run.half_grads else 0) + grad_b + weight_b * streamed) / 28
+    # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
+    # copies write 4 (bf16: 2) B/param into host memory and the re-streamed blocks' masters are read
+    # again: the update gets that much less of the same bandwidth. Reading bf16 gradients saves 2 B/param
+    # but adds a widening pass per cache-sized chunk, whose per-op cost on the 16-core H200 host outweighed
+    # it (engine/host_adam.py): counted as 28.
+    shared = (28 + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)

@@ -5,7 +5,7 @@
 # needs about 230 GiB of host memory: nvidia-h200-x2). Rows go to recipes/results/<today>-h200-throughput
 # .csv/.md (and -14b for the 14B part); pytest prints the parity figures. The deepspeed_zero3_offload run
 # needs deepspeed importable (shared/GPU.md says how to carry it to a machine without network); it is
-# skipped with a message otherwise. About 3 min for tests, 5 for 3b, 6 for 7b, 3 for depth, 5 for 14b.
+# skipped with a message otherwise. About 3 min for tests, 6 for 3b, 3 for 7b, 3 for depth, 5 for 14b.
 # compact14b: the Qwen2.5-14B shape with 46 of its 48 blocks (14.2 B parameters) and host_state="compact" on
 # one nvidia-h200, whose ~125 GiB of free host memory it nearly fills (measured 117.6 GiB RSS; ~6.5 min).
 set -euo pipefail
@@ -22,21 +22,20 @@ for part in "${parts[@]}"; do
     3b)
       common=(--model qwen2_5_3b --micro-batch 8 --accumulate 1 --seq-len 2048 --warmup 2 --out "$out")
       mt=(--strategies megatrain --keep 32 --cache 36 --loss-chunk 4096)
-      bench "${common[@]}" --steps 8 "${mt[@]}"  # the defaults: own accumulators (they fit), bf16 gradients
+      bench "${common[@]}" --steps 8 "${mt[@]}"  # the defaults: own accumulators (they fit), fp32 gradients
       bench "${common[@]}" --steps 6 --strategies single_device
       if python -c "import deepspeed" 2>/dev/null; then
         bench "${common[@]}" --strategies deepspeed_zero3_offload --steps 4
       else
         echo "deepspeed is not importable: deepspeed_zero3_offload skipped" >&2
       fi
-      bench "${common[@]}" --steps 8 "${mt[@]}" --fp32-grads  # before bf16 gradients
+      bench "${common[@]}" --steps 8 "${mt[@]}" --bf16-grads  # bf16_grads=True: less host memory, slower there
       # the measured breakdown (torch.profiler over 2 steps; the profiler slows the steps it covers)
       bench "${common[@]}" --steps 4 "${mt[@]}" --profile 2 --out "$out-profile" ;;
     7b)
-      for keep in 24 20; do  # 24 kept blocks: what the spare device memory holds; 20: the earlier setting
-        bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
-          --slots 3 --keep "$keep" --kept-saves matmuls --cache 28 --loss-chunk 4096 --grad-buffers 4 --out "$out"
-      done ;;
+      # 24 kept blocks: what the spare device memory holds (127 GiB reserved); 20 gave 3.70 s/step
+      bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
+        --slots 3 --keep 24 --kept-saves matmuls --cache 28 --loss-chunk 4096 --grad-buffers 4 --out "$out" ;;
     depth)
       for layers in 28 112; do
         bench --model qwen2_5_1_5b --layers "$layers" --strategies megatrain --micro-batch 4 --accumulate 4 \

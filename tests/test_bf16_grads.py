@@ -1,4 +1,4 @@
-"""bf16 gradients straight into the host update (``bf16_grads=True``, the default).
+"""bf16 gradients straight into the host update (``bf16_grads=True``; off by default).
 
 A block computed in bf16 has bf16 gradients. When its update overlaps the backward and nothing
 accumulates, they travel to the host as they are and the host AdamW widens them chunk by chunk
@@ -67,7 +67,7 @@ def test_bf16_gradients_train_exactly_like_fp32_gradients(factory: Any, strategy
 
 
 def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
-    """In fp32 the gradients are fp32: nothing travels as bf16. In bf16, the blocks' parameters have no
+    """In fp32 the gradients are fp32: nothing travels as bf16; nor by default. In bf16 with the option, the blocks' parameters have no
     ``.grad`` after a step whose updates took the bf16 path (their gradients went into the update)."""
 
     class Grads(EngineProbe):
@@ -77,10 +77,13 @@ def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
             self.block_grads = [p.grad for s in engine.stores for p in s.params]
 
     probe = Grads()
-    fit(TinyLlama, megatrain(), precision="32-true", callbacks=[probe], max_steps=3)
+    fit(TinyLlama, megatrain(bf16_grads=True), precision="32-true", callbacks=[probe], max_steps=3)
     assert probe.half_sent == 0
     probe = Grads()
     fit(TinyLlama, megatrain(), precision="bf16-mixed", callbacks=[probe], max_steps=3)
+    assert probe.half_sent == 0  # off by default
+    probe = Grads()
+    fit(TinyLlama, megatrain(bf16_grads=True), precision="bf16-mixed", callbacks=[probe], max_steps=3)
     assert probe.half_sent > 0
     assert all(g is None for g in probe.block_grads)
 

@@ -286,10 +286,10 @@ def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> N
 
     shape = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
                       layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
-    fp32 = RunSettings(micro_batch=2, seq_len=3, grad_buffers=0, bf16_grads=False)  # every block its own fp32 gradient buffer
+    fp32 = RunSettings(micro_batch=2, seq_len=3, grad_buffers=0)  # every block its own fp32 gradient buffer
     compact = dataclasses.replace(fp32, compact_state=True)
     assert list(host_bytes(shape, compact).values())[:3] == [4000, 4000, 4000]  # master halves, grad, moments
-    # bf16 gradients (the default): the blocks' own buffers hold 2 B/param, the resident store's still 4
+    # bf16 gradients (bf16_grads=True): the blocks' own buffers hold 2 B/param, the resident store's still 4
     assert list(host_bytes(shape, dataclasses.replace(compact, bf16_grads=True)).values())[1] == 2 * 600 + 4 * 400
     # pooled gradient buffers (the default when nothing accumulates): 2 blocks' worth + the larger resident store
     pooled = dataclasses.replace(compact, grad_buffers=2)

@@ -221,9 +221,8 @@ class FlatStore:
         own. Parameters get no ``.grad``: nothing but that update reads these gradients.
 
         Why bf16: a block computed in bf16 has bf16 gradients; they widen to fp32 without loss, so they
-        can travel and wait in host memory at half the bytes, and be widened inside the update instead
-        (``host_adam.fused_adam_step_half``): on a host whose memory bandwidth bounds AdamW, 26 instead
-        of 28 bytes of AdamW traffic per parameter, and 2 instead of 4 written by the copy.
+        can travel and wait in host memory at half the bytes and be widened inside the update instead
+        (``host_adam.fused_adam_step_half``): half the pinned gradient memory and device→host bytes.
         """
         assert self.half_grad is None, "the store holds bf16 gradients not yet used"
         n = self.layout.numel
