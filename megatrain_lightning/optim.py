@@ -459,6 +459,65 @@ class StoreUpdate:
         host.update_seconds += time.perf_counter() - t0
 
 
+    # -------------------------------------------------------------- an embedding's update split by rows
+    def _only_range(self, store: FlatStore) -> tuple[_Range, AdamHyper]:
+        found = [(r, h) for h, ranges in zip(self.hypers, self.host.ranges) for r in ranges if r.store is store]
+        assert len(found) == 1 and len(found[0][0].indices) == 1, "a store of one parameter in one param group"
+        return found[0]
+
+    def rows_first(self, store: FlatStore, touched: torch.Tensor, zero_chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """First half of the update of a store holding one embedding table ``[V, H]`` whose gradient is zero
+        outside the rows ``touched`` (ascending): every row updated with a zero gradient, after the
+        touched rows' weights and moments were set aside (returned, for :meth:`rows_last`). The step count
+        goes up here. Bit for bit what the whole update gives the untouched rows: the kernel is elementwise
+        and each piece starts a multiple of 16 elements from the table's start (``len(zero_chunk)`` is a
+        multiple of 16), so every element takes the same vectorised or tail path."""
+        t0 = time.perf_counter()
+        r, hyper = self._only_range(store)
+        p = r.params[0]
+        with torch.no_grad():
+            ea, eas = store.moment_buffers()
+            if r.ea_views is None:
+                r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+            assert r.eas_views is not None
+            st = _ensure_state(self.host.optimizer.state[p], r, 0)
+            w, m, v = store.master_views[0], r.ea_views[0], r.eas_views[0]
+            saved = (w.index_select(0, touched), m.index_select(0, touched), v.index_select(0, touched))
+            torch._foreach_add_([st["step"]], 1)
+            n, c = p.numel(), zero_chunk.numel()
+            wf, mf, vf = w.view(-1), m.view(-1), v.view(-1)
+            bounds = [(a, min(a + c, n)) for a in range(0, n, c)]
+            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+            kernel(
+                [wf[a:b] for a, b in bounds], [zero_chunk[: b - a] for a, b in bounds], [mf[a:b] for a, b in bounds],
+                [vf[a:b] for a, b in bounds], [], [st["step"]] * len(bounds),
+                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+            )
+        self.host.update_seconds += time.perf_counter() - t0
+        return saved
+
+    def rows_last(self, store: FlatStore, touched: torch.Tensor, grads: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> None:
+        """Second half: the touched rows, from their set-aside state and their gradients ``[k, H]`` (the step
+        count is not raised again), written back over what the first half gave them."""
+        t0 = time.perf_counter()
+        r, hyper = self._only_range(store)
+        st = self.host.optimizer.state[r.params[0]]
+        w_t, m_t, v_t = saved
+        with torch.no_grad():
+            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+            kernel(
+                [w_t], [grads], [m_t], [v_t], [], [st["step"]],
+                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+            )
+            assert r.ea_views is not None and r.eas_views is not None
+            store.master_views[0].index_copy_(0, touched, w_t)
+            r.ea_views[0].index_copy_(0, touched, m_t)
+            r.eas_views[0].index_copy_(0, touched, v_t)
+        self.host.update_seconds += time.perf_counter() - t0
+
+
 def _ensure_state(st: dict[str, Any], r: _Range, i: int, low_views: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """A parameter's Adam state on its first step: views of the store's moments (and low half)."""
     if not st:

@@ -144,7 +144,7 @@ def _one_run(args: argparse.Namespace) -> dict:
             slots=args.slots, overlap_optimizer=not args.no_overlap, overlap_next_forward=not args.no_run_on,
             keep_activations=args.keep, kept_saves=args.kept_saves, cache_weights=args.cache, offload_inputs=args.offload_inputs,
             host_state=args.host_state, grad_buffers=args.grad_buffers, host_threads=args.worker_threads or None,
-            bf16_grads=args.bf16_grads and not args.fp32_grads)
+            bf16_grads=args.bf16_grads and not args.fp32_grads, split_embedding_update=args.split_embedding)
     elif args.strategy == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -331,6 +331,7 @@ def main() -> None:
     ap.add_argument("--kept-saves", default="all", choices=["all", "matmuls"], help="megatrain: kept_saves")
     ap.add_argument("--no-run-on", action="store_true", help="megatrain: overlap_next_forward=False")
     ap.add_argument("--bf16-grads", action="store_true", help="megatrain: bf16_grads=True")
+    ap.add_argument("--split-embedding", action="store_true", help="megatrain: split_embedding_update=True")
     ap.add_argument("--fp32-grads", action="store_true",
                     help="megatrain: bf16_grads=False (the default since it was measured slower; the flag was "
                          "needed for the runs of commit 2ad7437, whose default was True)")
@@ -352,6 +353,7 @@ def main() -> None:
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
                 "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (
                 "-fp32grads" if args.fp32_grads else "-bf16grads" if args.bf16_grads else "") + (
+                "-splitemb" if args.split_embedding else "") + (
                 f"-gradbuf{args.grad_buffers}" if args.grad_buffers is not None else "") + (
                 f"-worker{args.worker_threads}" if args.worker_threads else "")
         label += f"-{args.host_threads}threads" if args.host_threads else ""

@@ -43,6 +43,7 @@ from .host_store import FlatLayout, FlatStore, HostState, PinnedRegistry
 from .host_worker import HostWorker
 from .materialize import InitFn, MetaMaterializer
 from .resident import RESIDENT, RESIDENT_AFTER, ResidentPart, resident_names
+from .sparse_rows import SplitRows
 from .streamed_block import CallSpec, StreamedBlock
 
 KeptSaves = Literal["all", "matmuls"]
@@ -432,6 +433,11 @@ class StreamingEngine:
             recomputes the elementwise ops (norms, rotary, activation, residual adds) from them, a few
             percent of the block's time (``selective.py``). Less than half the memory per kept block,
             so about twice as many blocks can be kept in the same device memory.
+        split_embedding_update: update an untied input embedding in two halves (``sparse_rows.py``): every
+            row with a zero gradient while the backward runs, then only the rows the step looked up, so
+            that little of it is left between the backward and the next forward. Exact; applies when the
+            resident part before the blocks is that one table, one lookup per step, the update overlapping
+            the backward; raises if the table's gradient turns out not to be row-sparse.
         bf16_grads: a block computed in bf16 whose gradients go straight into its overlapped update (no
             accumulation, no ``.grad`` to keep) sends them home in bf16, where the update widens them
             chunk by chunk: the same result bit for bit (a bf16 gradient widens to fp32 exactly), half
@@ -477,6 +483,7 @@ class StreamingEngine:
         kept_saves: KeptSaves = "all",
         host_threads: int | None = None,
         bf16_grads: bool = False,
+        split_embedding_update: bool = False,
     ) -> None:
         n_blocks = len(blocks)
         if kept_saves not in KEPT_SAVES:
@@ -570,7 +577,16 @@ class StreamingEngine:
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
         # Any module owning a resident parameter pulls its part onto the device when it runs.
         self._owned_parts: dict[int, list[ResidentPart]] = {}
-        self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in self._resident_owners()]
+        owners = self._resident_owners()
+        self._hooks = [m.register_forward_pre_hook(self._resident_pre_hook) for m in owners]
+        # An untied input embedding updated in two halves (sparse_rows.py), when asked for and it applies
+        self._split: SplitRows | None = None
+        self._split_owner: nn.Module | None = None
+        self._split_active = False
+        before = [m for m in owners if any(pt.key == RESIDENT for pt in self._owned_parts[id(m)])]
+        if split_embedding_update and self.resident_store is not None and SplitRows.eligible(self.resident_store, before):
+            self._split = SplitRows(self.resident_store, self.pins, self.streams, self.grads.worker, self.device)
+            self._split_owner = before[0]
         if self._after is not None:  # a gradient after the early send would be lost: refuse it loudly
             self._hooks += [p.register_post_accumulate_grad_hook(self._after_grad_landed) for p in self._after.store.params]
 
@@ -607,6 +623,9 @@ class StreamingEngine:
         self.in_step = True
         self._pos = 0
         self._recorded = []
+        if self._split is not None:
+            self._split.reset()
+            self._split_active = False
         for part in self.resident_parts:  # the after part only if its update has run (else when used)
             self._ensure_part(part, wait=part.key != RESIDENT_AFTER)
         self._prefetch(current=None)
@@ -710,6 +729,9 @@ class StreamingEngine:
     def _resident_pre_hook(self, module: nn.Module, args: Any) -> None:
         if not self.in_step:
             return
+        if module is self._split_owner and torch.is_grad_enabled():
+            assert self._split is not None
+            self._split.looked_up(args[0] if args and isinstance(args[0], torch.Tensor) else None)
         for part in self._owned_parts[id(module)]:
             if part is self._after and torch.is_grad_enabled() and not self._calls.get(len(self.blocks) - 1):
                 self._after_early = False  # used before the last block: its gradients are final only at the end
@@ -801,7 +823,21 @@ class StreamingEngine:
             p.data = host_view
             p.grad = saved
         part.on_device = False
-        if with_grads and any(g is not None for g in grads):
+        if with_grads and part.key == RESIDENT and self._split_active:
+            self._split_active = False
+            assert self._split is not None and self.on_grads_final is not None
+            if grads[0] is None:
+                raise RuntimeError(
+                    "split_embedding_update: the input embedding got no gradient in a step whose rows were "
+                    "updated already (the loss does not depend on its output). Pass "
+                    "MegaTrainStrategy(split_embedding_update=False)."
+                )
+            fut = self._split.end(grads[0], self.on_grads_final, part.priority)
+            self._updates[part.key] = fut
+            self._claimed.add(id(store))
+            self.grads._track(fut)
+            self.counters.bump(self.counters.d2h, part.key)
+        elif with_grads and any(g is not None for g in grads):
             # The part the next forward needs first: updated and copied back range by range
             ranged = RangedUpdate(store.numel, RANGE_ELEMS) if part.key == RESIDENT and self.on_grads_final else None
             self._send(part.key, store, grads, self.on_grads_final, part.priority, ranged)
@@ -812,6 +848,13 @@ class StreamingEngine:
         part's gradients are final (the loss's backward, which alone reaches them, is done): send them home
         now, so that their update runs beside the blocks' backward instead of after it."""
         first, self._backward_began = not self._backward_began, True
+        before = self.resident_parts[0] if self._split is not None else None
+        if first and before is not None and self.on_grads_final is not None and before.on_device and not any(
+            g is not None for g in before.saved_grads  # nothing accumulated on the host to add in
+        ):
+            # the lookups are done: every row's zero-gradient update can start (sparse_rows.py)
+            assert self._split is not None
+            self._split_active = self._split.begin(self.on_grads_final, before.priority)
         part = self._after
         if not first or part is None or not part.on_device or self.on_grads_final is None or not self._after_early:
             return
