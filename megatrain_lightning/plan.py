@@ -168,6 +168,7 @@ def plan_from_config(cfg, **run_changes):  # noqa: ANN001, ANN003, ANN201 (DictC
         bf16=str(hw.precision).startswith("bf16"),
         compact_state=cfg.strategy.get("host_state") == "compact",
         bf16_grads=bool(cfg.strategy.get("bf16_grads", False)),
+        split_embedding=bool(cfg.strategy.get("split_embedding_update", False)),
         keep_activations=int(cfg.strategy.get("keep_activations") or 0),
         kept_saves_matmuls=cfg.strategy.get("kept_saves", "all") == "matmuls",
         cache_weights=int(cfg.strategy.get("cache_weights") or 0),

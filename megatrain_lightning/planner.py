@@ -130,6 +130,7 @@ class RunSettings:
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
     head_in_backward: bool = True  # an untied head's update overlaps the backward (False: engines before commit 2f37add)
     bf16_grads: bool = False  # MegaTrainStrategy.bf16_grads: block gradients travel and wait as bf16
+    split_embedding: bool = False  # MegaTrainStrategy.split_embedding_update (untied input embeddings)
 
     @property
     def pooled_grads(self) -> bool:
@@ -355,8 +356,14 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
+    split = 0.0  # host seconds of an untied embedding's first half, moved into the backward
+    if run.split_embedding and untied_head and run.accumulate == 1 and not run.clip:
+        # every row's zero-gradient update beside the backward; after it, the looked-up rows only (at most
+        # one per token)
+        split = adam_before
+        adam_before *= min(1.0, run.tokens / max(shape.vocab, 1))
     if run.accumulate == 1:
-        last_host = adam_blocks + adam_after  # host work in the last backward
+        last_host = adam_blocks + adam_after + split  # host work in the last backward
         before_last = fwd_first
     else:
         last_host = add + adam_blocks + adam_after
@@ -372,7 +379,8 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
         "device compute": run.accumulate * (dev_fwd + dev_bwd),
         "host->device copies": h2d_fwd_first + (run.accumulate - 1) * h2d_fwd + run.accumulate * h2d_bwd,
         "device->host copies": run.accumulate * d2h_bwd,
-        "host optimizer": adam_blocks + adam_resident + (run.accumulate - 1) * add,
+        "host optimizer": adam_blocks + adam_resident + split * min(1.0, run.tokens / max(shape.vocab, 1))
+        + (run.accumulate - 1) * add,
         "forward (one micro-batch)": fwd,
         "backward (one micro-batch)": bwd,
         "step": step,

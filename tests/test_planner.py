@@ -156,3 +156,8 @@ def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     half = make_plan(SHAPE, dataclasses.replace(run, bf16_grads=True), slow, refuse=False)
     assert half.times["host optimizer"] == pytest.approx(600 / 1e5 * (28 + 2 + 4) / 28 + 200 / 1e5 + 200 / 1e5)
     assert half.step_s < on.step_s
+    # split_embedding_update: the embedding's (200) zero-gradient pass joins the backward's host work; after
+    # it only the looked-up rows (6 tokens of a 50-row vocabulary) wait between the steps
+    split = make_plan(SHAPE, dataclasses.replace(run, split_embedding=True), slow, refuse=False)
+    assert split.step_s == pytest.approx(200 / 1e5 * 6 / 50 + max(fwd_first + bwd, adam_blocks + 200 / 1e5))
+    assert split.times["host optimizer"] == pytest.approx(on.times["host optimizer"] + 200 / 1e5 * 6 / 50)
