@@ -199,7 +199,7 @@ class _GradPath:
         that must be kept), or in pinned staging that the worker adds in.
 
         ``ranged``: when the gradients land directly and ``then.range`` can update this store, copy and
-        update them range by range (:class:`RangedUpdate`); else it is released at once.
+        update them range by range (:class:`RangedUpdate`); else it is marked ``whole``.
         """
         layout = store.layout
         n = layout.numel
