@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bash recipes/reproduce_h200_results.sh [part ...]      parts: tests 3b 7b depth 14b compact14b (default: the first four)
+# bash recipes/reproduce_h200_results.sh [part ...]      parts: tests 3b 7b depth 14b compact14b (default: the first
+# four), and two not yet run: 7b_split (split_embedding_update side by side) and compact14b_full (all 48 blocks)
 #
 # The runs behind recipes/results/2026-11-30-h200-*.md, with the exact commands, on one H200 (the 14B part
 # needs about 230 GiB of host memory: nvidia-h200-x2). Rows go to recipes/results/<today>-h200-throughput
@@ -45,10 +46,18 @@ for part in "${parts[@]}"; do
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} MACHINE=${MACHINE:-nvidia-h200-x2} bench --model qwen2_5_14b \
         --strategies megatrain --micro-batch 8 --accumulate 1 --steps 20 --warmup 2 --keep 4 --cache 48 \
         --loss-chunk 4096 --out "$out-14b" ;;
+    7b_split)  # split_embedding_update against the default, side by side (not yet measured)
+      for flag in --split-embedding ""; do
+        bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
+          --slots 3 --keep 24 --kept-saves matmuls --cache 28 --loss-chunk 4096 --grad-buffers 4 $flag --out "$out"
+      done ;;
+    compact14b_full)  # all 48 blocks (14.77 B params): planner 131.8 GB of the ~133 GB free (not yet run)
+      bench --model qwen2_5_14b --strategies megatrain --host-state compact --micro-batch 8 \
+        --accumulate 1 --steps 20 --warmup 1 --keep 4 --cache 48 --loss-chunk 4096 --timeout 570 --out "$out-compact" ;;
     compact14b)
       bench --model qwen2_5_14b --layers 46 --strategies megatrain --host-state compact --micro-batch 8 \
         --accumulate 1 --steps 20 --warmup 1 --keep 4 --cache 46 --loss-chunk 4096 --timeout 570 --out "$out-compact" ;;
     *)
-      echo "unknown part: $part (tests 3b 7b depth 14b compact14b)" >&2; exit 2 ;;
+      echo "unknown part: $part (tests 3b 7b 7b_split depth 14b compact14b compact14b_full)" >&2; exit 2 ;;
   esac
 done
