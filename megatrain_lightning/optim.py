@@ -465,6 +465,12 @@ class StoreUpdate:
         assert len(found) == 1 and len(found[0][0].indices) == 1, "a store of one parameter in one param group"
         return found[0]
 
+    def can_split_rows(self, store: FlatStore) -> bool:
+        """Whether :meth:`rows_first` / :meth:`rows_last` apply: the store's one parameter is stepped by
+        this optimizer, in one param group, on the fp32 fast path."""
+        found = [r for ranges in self.host.ranges for r in ranges if r.store is store]
+        return self.host.fast and not store.compact and len(found) == 1 and len(found[0].indices) == 1
+
     def rows_first(self, store: FlatStore, touched: torch.Tensor, zero_chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """First half of the update of a store holding one embedding table ``[V, H]`` whose gradient is zero
         outside the rows ``touched`` (ascending): every row updated with a zero gradient, after the

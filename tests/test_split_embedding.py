@@ -75,3 +75,20 @@ def test_a_table_whose_gradient_is_not_row_sparse_stops_training() -> None:
         _fit_split(partial(EmbeddingPenalty, optimizer="adamw"), True, max_steps=3)
     run, probe = _fit_split(partial(EmbeddingPenalty, optimizer="adamw"), False, max_steps=3)  # whole: fine
     assert probe.steps == 0 and len(run.losses) == 3
+
+
+def test_an_embedding_left_out_of_the_optimizer_is_not_split() -> None:
+    """The optimizer steps only the blocks and the head: the table must stay as it was, as natively."""
+
+    class NoEmbeddingInOptimizer(TinyLlama):
+        def configure_optimizers(self) -> Any:
+            emb = self.model.model.embed_tokens.weight
+            return torch.optim.AdamW([p for p in self.parameters() if p is not emb], lr=3e-3, fused=True)
+
+    factory = partial(NoEmbeddingInOptimizer, optimizer="adamw", scheduler=False)
+    ref = fit(factory, None, max_steps=3)
+    got, probe = _fit_split(factory, True, max_steps=3)
+    assert probe.applies and probe.steps == 0
+    emb = "model.model.embed_tokens.weight"
+    assert torch.equal(got.state[emb], got.init_state[emb])
+    assert_parity(ref, got)

@@ -82,7 +82,10 @@ class SplitRows:
     # ------------------------------------------------------------------ backward
     def begin(self, update: Any, priority: int) -> bool:
         """The backward has begun: submit the first half (False: this step updates the table whole)."""
-        if self._lookups != 1 or self._ids is None or not hasattr(update, "rows_first") or self.param.grad is not None:
+        if (
+            self._lookups != 1 or self._ids is None or not self.param.requires_grad or self.param.grad is not None
+            or not hasattr(update, "can_split_rows") or not update.can_split_rows(self.store)
+        ):
             return False
         compute = self.streams.compute()
         with torch.no_grad():
