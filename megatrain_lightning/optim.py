@@ -26,7 +26,9 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .engine.host_adam import AdamHyper, CompactSpan, Piece, compact_adam_step, fused_adam_step, fused_adam_step_half
+from .engine.host_adam import (
+    AdamHyper, CompactSpan, Piece, adam_kernel, compact_adam_step, fused_adam_step, fused_adam_step_half,
+)
 from .engine.host_store import FlatStore
 
 
@@ -79,6 +81,12 @@ class _Range:
         self.compact_cache: tuple[list[CompactSpan], list[torch.Tensor]] | None = None
         # the gradient buffer the caches were built on: a pooled buffer changes from step to step
         self.cache_grad: torch.Tensor | None = None
+
+    def ensure_moment_views(self) -> None:
+        """Per-parameter views of the store's Adam moments (allocating them on first use)."""
+        if self.ea_views is None:
+            ea, eas = self.store.moment_buffers()
+            self.ea_views, self.eas_views = self.store.layout.views(ea), self.store.layout.views(eas)
 
 
 class HostOptimizer:
@@ -280,9 +288,7 @@ class HostOptimizer:
             fused_adam_step(*r.cache, hyper)
             return
         state = self.optimizer.state
-        ea, eas = store.moment_buffers()
-        if r.ea_views is None:
-            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        r.ensure_moment_views()
         ps, gs, eas_l, eass_l, steps = [], [], [], [], []
         for i, p in zip(r.indices, r.params):
             if p.grad is None:
@@ -306,8 +312,7 @@ class HostOptimizer:
         store = r.store
         assert store.half_grad is not None
         ea, eas = store.moment_buffers()
-        if r.ea_views is None:
-            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        r.ensure_moment_views()
         state = self.optimizer.state
         offsets = store.layout.offsets
         steps = [_ensure_state(state[p], r, i)["step"] for i, p in zip(r.indices, r.params)]
@@ -332,8 +337,7 @@ class HostOptimizer:
             compact_adam_step(store.master, store.master_low, ea, eas, spans, hyper)
             return
         state = self.optimizer.state
-        if r.ea_views is None:
-            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        r.ensure_moment_views()
         low_views = store.layout.views(store.master_low) if store.master_low is not None else None
         offsets = store.layout.offsets
         # (first index, last index, own gradient?, step) per run; a foreign .grad is a run of its own
@@ -369,8 +373,7 @@ class HostOptimizer:
         store = r.store
         assert store.half_grad is not None
         ea, eas = store.moment_buffers()
-        if r.ea_views is None:
-            r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+        r.ensure_moment_views()
         low_views = store.layout.views(store.master_low) if store.master_low is not None else None
         state = self.optimizer.state
         offsets = store.layout.offsets
@@ -431,8 +434,7 @@ class StoreUpdate:
                 for r in ranges:
                     if r.store is not store:
                         continue
-                    if r.ea_views is None:
-                        r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
+                    r.ensure_moment_views()
                     ps, gs, ms, vs, steps, fresh = [], [], [], [], [], []
                     for i, p in zip(r.indices, r.params):
                         start = offsets[i]
@@ -450,12 +452,7 @@ class StoreUpdate:
                     if fresh:
                         torch._foreach_add_(fresh, 1)
                     if ps:
-                        kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-                        kernel(
-                            ps, gs, ms, vs, [], steps,
-                            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                            eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-                        )
+                        adam_kernel(ps, gs, ms, vs, steps, hyper)
         host.update_seconds += time.perf_counter() - t0
 
 
@@ -482,10 +479,8 @@ class StoreUpdate:
         r, hyper = self._only_range(store)
         p = r.params[0]
         with torch.no_grad():
-            ea, eas = store.moment_buffers()
-            if r.ea_views is None:
-                r.ea_views, r.eas_views = store.layout.views(ea), store.layout.views(eas)
-            assert r.eas_views is not None
+            r.ensure_moment_views()
+            assert r.ea_views is not None and r.eas_views is not None
             st = _ensure_state(self.host.optimizer.state[p], r, 0)
             w, m, v = store.master_views[0], r.ea_views[0], r.eas_views[0]
             saved = (w.index_select(0, touched), m.index_select(0, touched), v.index_select(0, touched))
@@ -493,13 +488,8 @@ class StoreUpdate:
             n, c = p.numel(), zero_chunk.numel()
             wf, mf, vf = w.view(-1), m.view(-1), v.view(-1)
             bounds = [(a, min(a + c, n)) for a in range(0, n, c)]
-            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-            kernel(
-                [wf[a:b] for a, b in bounds], [zero_chunk[: b - a] for a, b in bounds], [mf[a:b] for a, b in bounds],
-                [vf[a:b] for a, b in bounds], [], [st["step"]] * len(bounds),
-                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-            )
+            adam_kernel([wf[a:b] for a, b in bounds], [zero_chunk[: b - a] for a, b in bounds],
+                        [mf[a:b] for a, b in bounds], [vf[a:b] for a, b in bounds], [st["step"]] * len(bounds), hyper)
         self.host.update_seconds += time.perf_counter() - t0
         return saved
 
@@ -511,12 +501,7 @@ class StoreUpdate:
         st = self.host.optimizer.state[r.params[0]]
         w_t, m_t, v_t = saved
         with torch.no_grad():
-            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-            kernel(
-                [w_t], [grads], [m_t], [v_t], [], [st["step"]],
-                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-            )
+            adam_kernel([w_t], [grads], [m_t], [v_t], [st["step"]], hyper)
             assert r.ea_views is not None and r.eas_views is not None
             store.master_views[0].index_copy_(0, touched, w_t)
             r.ea_views[0].index_copy_(0, touched, m_t)

@@ -35,6 +35,24 @@ class AdamHyper:
     maximize: bool
 
 
+def adam_kernel(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    hyper: AdamHyper,
+) -> None:
+    """torch's fused Adam(W) kernel on these lists, in place; ``steps`` are read, not incremented (the
+    caller raises each parameter's count once, before its first piece)."""
+    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    kernel(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps),
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+        eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+    )
+
+
 def fused_adam_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -47,22 +65,8 @@ def fused_adam_step(
     if not params:
         return
     torch._foreach_add_(list(steps), 1)
-    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-    kernel(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        [],
-        list(steps),
-        lr=hyper.lr,
-        beta1=hyper.beta1,
-        beta2=hyper.beta2,
-        weight_decay=hyper.weight_decay,
-        eps=hyper.eps,
-        amsgrad=False,
-        maximize=hyper.maximize,
-    )
+    adam_kernel(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)
+
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,6 @@ def fused_adam_step_half(
         return
     chunk = max(16, chunk_elems() // 16 * 16)  # a multiple of 16 (see above)
     g32 = _half_scratch(chunk)
-    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     lo, hi = pieces[0].start, pieces[-1].end
     first = 0  # first piece that may overlap the chunk
     for c0 in range(lo, hi, chunk):
@@ -117,11 +120,7 @@ def fused_adam_step_half(
             vs.append(exp_avg_sq[a:b])
             steps.append(piece.step)
         if ps:
-            kernel(
-                ps, gs, ms, vs, [], steps,
-                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-            )
+            adam_kernel(ps, gs, ms, vs, steps, hyper)
 
 
 def _half_scratch(chunk: int) -> torch.Tensor:
@@ -222,7 +221,6 @@ def compact_adam_step(
     w, tmp, mv = _chunk_scratch(chunk)
     w_bits = w.view(torch.int32)
     table = _dither_table(chunk)
-    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     for span in spans:
         step = int(span.step.item())
         for c0 in range(span.start, span.end, chunk):
@@ -240,11 +238,7 @@ def compact_adam_step(
             g = span.grad[c0 - span.start : c1 - span.start]
             if g.dtype != torch.float32:  # bf16 gradients (see FlatStore.hold_half_grad): widen, exactly
                 g = _half_scratch(chunk)[:n].copy_(g)
-            kernel(
-                [cw], [g], [cm], [cv], [], [span.step],
-                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-            )
+            adam_kernel([cw], [g], [cm], [cv], [span.step], hyper)
             if master_low is not None:
                 split_fp32(cb, hi, master_low[c0:c1], ct)
             else:
