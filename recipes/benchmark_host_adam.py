@@ -1,9 +1,10 @@
 # python recipes/benchmark_host_adam.py --params 32e6 --threads 2
-"""Host AdamW throughput, fp32 state against compact state (host_state="compact"), on this machine's CPU.
+"""Host AdamW throughput, fp32 state (fp32 or bf16 gradients) against compact state, on this machine's CPU.
 
 Options: --params (default 64e6), --threads (intra-op threads, 0: torch's default), --repeats, --chunk.
 One flat store of ``--params`` parameters with a full gradient, stepped the way HostOptimizer steps it:
-fp32 state with torch's fused AdamW over the store (``fused_adam_step``), compact state with the chunked
+fp32 state with torch's fused AdamW over the store (``fused_adam_step``); fp32 state from bf16 gradients
+(``bf16_grads=True``) with the one-pass native kernel and with chunk-by-chunk widening; compact state with the chunked
 kernel (``compact_adam_step``: rebuild fp32 weights and moments per chunk, the same fused kernel, split
 and round back), and, for reference, compact without the moments' stochastic rounding and plain bf16
 masters (no low half). Prints G params/s (best of ``--repeats``) for each, and the compact/fp32 ratio.
@@ -20,8 +21,10 @@ from unittest import mock
 import torch
 from torch import nn
 
-from megatrain_lightning.engine import host_adam
-from megatrain_lightning.engine.host_adam import AdamHyper, CompactSpan, compact_adam_step, fused_adam_step
+from megatrain_lightning.engine import host_adam, native_adam
+from megatrain_lightning.engine.host_adam import (
+    AdamHyper, CompactSpan, Piece, compact_adam_step, fused_adam_step, fused_adam_step_half,
+)
 from megatrain_lightning.engine.host_store import FlatStore, PinnedRegistry
 
 HYPER = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
@@ -58,6 +61,19 @@ def main() -> None:
     step = torch.tensor(0.0)
     results["fp32 (torch fused AdamW)"] = _best(
         lambda: fused_adam_step([fp32.master], [grad], [ea], [eas], [step], HYPER), args.repeats)
+
+    # fp32 state from bf16 gradients (bf16_grads=True): the one-pass kernel, and widening chunk by chunk
+    grad16 = grad.to(torch.bfloat16)
+    piece = [Piece(0, n, step)]
+    if native_adam.kernel() is not None:
+        results["fp32, bf16 grads (one-pass native kernel)"] = _best(
+            lambda: fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER), args.repeats)
+    else:
+        print(f"# one-pass native kernel unavailable: {native_adam.unavailable_reason()}")
+    with mock.patch.object(native_adam, "kernel", lambda: None):
+        host_adam._scratch.__dict__.clear()
+        results["fp32, bf16 grads (widened chunk by chunk)"] = _best(
+            lambda: fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER), args.repeats)
 
     def compact_run(compensate: bool, stochastic: bool) -> float:
         store = FlatStore([nn.Parameter(weight.detach().clone())], pins, "compact", compensate=compensate)

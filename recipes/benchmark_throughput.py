@@ -303,6 +303,16 @@ def _profiler(args, trainer_ref: list):
                             on_result=report, host_busy=host_busy)
 
 
+def _half_kernel() -> str:
+    """How bf16 gradients are widened in this environment: in the one-pass kernel, or chunk by chunk."""
+    from megatrain_lightning.engine import native_adam
+
+    if native_adam.kernel() is not None:
+        return "-native"
+    print(f"one-pass kernel unavailable ({native_adam.unavailable_reason()}): bf16 gradients widened chunk by chunk")
+    return "-chunked"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2_5_3b", choices=sorted(SHAPES))
@@ -352,7 +362,7 @@ def main() -> None:
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
                 "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (
-                "-fp32grads" if args.fp32_grads else "-bf16grads" if args.bf16_grads else "") + (
+                "-fp32grads" if args.fp32_grads else "-bf16grads" + _half_kernel() if args.bf16_grads else "") + (
                 "-splitemb" if args.split_embedding else "") + (
                 f"-gradbuf{args.grad_buffers}" if args.grad_buffers is not None else "") + (
                 f"-worker{args.worker_threads}" if args.worker_threads else "")

@@ -43,6 +43,10 @@ RUNS = {  # name: (overrides, measured step s, peak GPU allocated GiB, peak GPU 
     # commit d6b251a: untied head updated in the backward
     "7B, 16 x 2048, run-on, pool of 4, keep 20 saving matmuls, cache 28, loss chunk 4096, head in backward": (
         _run("qwen2_5_7b", 16, keep=20, cache=28, run_on=True, grad_buffers=4, kept_saves="matmuls"), 3.698, 110.55, 114.5, 94.27),
+    # commit 675f94b: all 48 blocks of the 14B shape in compact state, the largest model on nvidia-h200
+    "14B shape (48 blocks), compact state, 8 x 2048, run-on, pool of 4, keep 4, cache 48, loss chunk 4096, head in backward": (
+        _run("qwen2_5_14b", 8, keep=4, cache=48, run_on=True, grad_buffers=4, host_state="compact"),
+        15.4409, 79.07, 88.05, 121.71),
     "14B shape with 46 blocks, compact state, 8 x 2048, run-on, pool of 4, keep 4, cache 46, loss chunk 4096, head in backward": (
         _run("qwen2_5_14b", 8, keep=4, cache=46, layers=46, run_on=True, grad_buffers=4, host_state="compact"),
         14.1975, 77.42, 86.29, 117.61),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bash recipes/reproduce_h200_results.sh [part ...]      parts: tests 3b 7b depth 14b compact14b (default: the first
-# four), and two not yet run: 7b_split (split_embedding_update side by side) and compact14b_full (all 48 blocks)
+# four), 7b_split (split_embedding_update side by side), compact14b_full (all 48 blocks) and 3b_bf16 (bf16
+# gradients through the one-pass native AdamW against fp32 gradients, interleaved, with the baselines)
 #
 # The runs behind recipes/results/2026-11-30-h200-*.md, with the exact commands, on one H200 (the 14B part
 # needs about 230 GiB of host memory: nvidia-h200-x2). Rows go to recipes/results/<today>-h200-throughput
@@ -46,6 +47,18 @@ for part in "${parts[@]}"; do
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} MACHINE=${MACHINE:-nvidia-h200-x2} bench --model qwen2_5_14b \
         --strategies megatrain --micro-batch 8 --accumulate 1 --steps 20 --warmup 2 --keep 4 --cache 48 \
         --loss-chunk 4096 --out "$out-14b" ;;
+    3b_bf16)  # bf16 gradients through the one-pass native AdamW against fp32 gradients, interleaved, and baselines
+      common=(--model qwen2_5_3b --micro-batch 8 --accumulate 1 --seq-len 2048 --warmup 2 --out "$out")
+      mt=(--strategies megatrain --keep 32 --cache 36 --loss-chunk 4096)
+      python recipes/benchmark_host_adam.py --params 256e6 --repeats 3
+      bench "${common[@]}" --steps 8 "${mt[@]}" --bf16-grads
+      bench "${common[@]}" --steps 8 "${mt[@]}" --fp32-grads
+      bench "${common[@]}" --steps 6 --strategies single_device
+      if python -c "import deepspeed" 2>/dev/null; then
+        bench "${common[@]}" --strategies deepspeed_zero3_offload --steps 4
+      fi
+      bench "${common[@]}" --steps 8 "${mt[@]}" --bf16-grads
+      bench "${common[@]}" --steps 8 "${mt[@]}" --fp32-grads ;;
     7b_split)  # split_embedding_update against the default, side by side (not yet measured)
       for flag in --split-embedding ""; do
         bench --model qwen2_5_7b --strategies megatrain --micro-batch 16 --accumulate 1 --steps 20 --warmup 2 \
@@ -58,6 +71,6 @@ for part in "${parts[@]}"; do
       bench --model qwen2_5_14b --layers 46 --strategies megatrain --host-state compact --micro-batch 8 \
         --accumulate 1 --steps 20 --warmup 1 --keep 4 --cache 46 --loss-chunk 4096 --timeout 570 --out "$out-compact" ;;
     *)
-      echo "unknown part: $part (tests 3b 7b 7b_split depth 14b compact14b compact14b_full)" >&2; exit 2 ;;
+      echo "unknown part: $part (tests 3b 3b_bf16 7b 7b_split depth 14b compact14b compact14b_full)" >&2; exit 2 ;;
   esac
 done

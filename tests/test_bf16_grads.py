@@ -1,11 +1,12 @@
 """bf16 gradients straight into the host update (``bf16_grads=True``; off by default).
 
 A block computed in bf16 has bf16 gradients. When its update overlaps the backward and nothing
-accumulates, they travel to the host as they are and the host AdamW widens them chunk by chunk
-(``host_adam.fused_adam_step_half``). Widening bf16 to fp32 is exact and the chunked kernel takes the same
-elementwise path per element as a whole-parameter call, so the training run must equal the one with
-``bf16_grads=False`` (gradients widened on the device, fp32 on the host) bit for bit: every loss and
-every weight. Tiny chunks make pieces of one parameter fall into several chunks.
+accumulates, they travel to the host as they are and the host AdamW widens them: in a register, with the
+one-pass kernel (``engine/native_adam.c``), or chunk by chunk into scratch without it
+(``host_adam.fused_adam_step_half``); both paths are tested. Widening bf16 to fp32 is exact and both
+take the same elementwise arithmetic per element as a whole-parameter call, so the training run must
+equal the one with ``bf16_grads=False`` (gradients widened on the device, fp32 on the host) bit for bit:
+every loss and every weight. Tiny chunks make pieces of one parameter fall into several chunks.
 """
 
 from __future__ import annotations
@@ -16,10 +17,20 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from megatrain_lightning.engine import host_adam
+from megatrain_lightning.engine import host_adam, native_adam
 
 from conftest import fit, megatrain
 from zoo import TinyLlama, TinyQwen2
+
+
+@pytest.fixture(params=["native", "chunked"])
+def half_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The one-pass kernel (it must be available here: CI has a C compiler), or the chunked widening."""
+    if request.param == "chunked":
+        monkeypatch.setattr(native_adam, "kernel", lambda: None)
+    else:
+        assert native_adam.kernel() is not None, native_adam.unavailable_reason()
+    return request.param
 
 
 class EngineProbe(pl.Callback):
@@ -54,7 +65,9 @@ def _assert_identical(a: Any, b: Any) -> None:
     ],
     ids=["llama-groups-own", "qwen2-pool", "llama-compact"],
 )
-def test_bf16_gradients_train_exactly_like_fp32_gradients(factory: Any, strategy: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_gradients_train_exactly_like_fp32_gradients(
+    factory: Any, strategy: dict, half_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(host_adam, "CHUNK_ELEMS", 48)  # pieces of one parameter in several chunks
     ref, ref_probe = _run(factory, False, **strategy)
     got, got_probe = _run(factory, True, **strategy)
@@ -88,7 +101,7 @@ def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
     assert all(g is None for g in probe.block_grads)
 
 
-def test_half_kernel_equals_whole_parameter_kernel() -> None:
+def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
     """``fused_adam_step_half`` against ``fused_adam_step`` on widened gradients, bit for bit, with
     parameter sizes that are not multiples of 16 (vector tails) and chunks that cut parameters."""
     from megatrain_lightning.engine.host_adam import AdamHyper, Piece, fused_adam_step, fused_adam_step_half
