@@ -167,7 +167,8 @@ def plan_from_config(cfg, **run_changes):  # noqa: ANN001, ANN003, ANN201 (DictC
         loss_chunk_tokens=m.get("loss_chunk_tokens"),
         bf16=str(hw.precision).startswith("bf16"),
         compact_state=cfg.strategy.get("host_state") == "compact",
-        bf16_grads=bool(cfg.strategy.get("bf16_grads", False)),
+        # None (the strategy's default): on where the one-pass kernel builds, assumed of the target
+        bf16_grads=bool(True if cfg.strategy.get("bf16_grads") is None else cfg.strategy.get("bf16_grads")),
         split_embedding=bool(cfg.strategy.get("split_embedding_update", False)),
         keep_activations=int(cfg.strategy.get("keep_activations") or 0),
         kept_saves_matmuls=cfg.strategy.get("kept_saves", "all") == "matmuls",

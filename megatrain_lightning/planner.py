@@ -129,7 +129,9 @@ class RunSettings:
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
     run_on: bool = True  # overlap_next_forward: updates the backward did not finish run on into the next forward
     head_in_backward: bool = True  # an untied head's update overlaps the backward (False: engines before commit 2f37add)
-    bf16_grads: bool = False  # MegaTrainStrategy.bf16_grads: block gradients travel and wait as bf16
+    # MegaTrainStrategy.bf16_grads: block gradients travel and wait as bf16 (plan.py: the strategy's default,
+    # None, plans as True, assuming the one-pass kernel builds on the target)
+    bf16_grads: bool = False
     split_embedding: bool = False  # MegaTrainStrategy.split_embedding_update (untied input embeddings)
 
     @property
@@ -349,10 +351,10 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
     # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
     # copies write 4 (bf16: 2) B/param into host memory and the re-streamed blocks' masters are read
-    # again: the update gets that much less of the same bandwidth. Reading bf16 gradients saves 2 B/param
-    # but adds a widening pass per cache-sized chunk, whose per-op cost on the 16-core H200 host outweighed
-    # it (engine/host_adam.py): counted as 28.
-    shared = (28 + grad_b + weight_b * streamed) / 28
+    # again: the update gets that much less of the same bandwidth. With bf16 gradients the one-pass kernel
+    # (engine/native_adam.c) reads 2 B/param of gradient instead of 4: 26 bytes.
+    adam_b = 26 if run.half_grads else 28
+    shared = (adam_b + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)

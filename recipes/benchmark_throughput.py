@@ -144,7 +144,8 @@ def _one_run(args: argparse.Namespace) -> dict:
             slots=args.slots, overlap_optimizer=not args.no_overlap, overlap_next_forward=not args.no_run_on,
             keep_activations=args.keep, kept_saves=args.kept_saves, cache_weights=args.cache, offload_inputs=args.offload_inputs,
             host_state=args.host_state, grad_buffers=args.grad_buffers, host_threads=args.worker_threads or None,
-            bf16_grads=args.bf16_grads and not args.fp32_grads, split_embedding_update=args.split_embedding)
+            bf16_grads=False if args.fp32_grads else True if args.bf16_grads else None,
+            split_embedding_update=args.split_embedding)
     elif args.strategy == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -303,14 +304,19 @@ def _profiler(args, trainer_ref: list):
                             on_result=report, host_busy=host_busy)
 
 
-def _half_kernel() -> str:
-    """How bf16 gradients are widened in this environment: in the one-pass kernel, or chunk by chunk."""
+def _grads_label(args: argparse.Namespace) -> str:
+    """What the megatrain run's block gradients are: fp32, or bf16 widened in the one-pass kernel or chunk
+    by chunk (the default, bf16_grads=None, is bf16 where the kernel builds, fp32 otherwise)."""
     from megatrain_lightning.engine import native_adam
 
-    if native_adam.kernel() is not None:
-        return "-native"
-    print(f"one-pass kernel unavailable ({native_adam.unavailable_reason()}): bf16 gradients widened chunk by chunk")
-    return "-chunked"
+    if args.fp32_grads:
+        return "-fp32grads"
+    native = native_adam.kernel() is not None
+    if not native:
+        print(f"one-pass kernel unavailable ({native_adam.unavailable_reason()})")
+    if args.bf16_grads:
+        return "-bf16grads-native" if native else "-bf16grads-chunked"
+    return "-bf16grads-native" if native else "-fp32grads"
 
 
 def main() -> None:
@@ -340,11 +346,11 @@ def main() -> None:
     ap.add_argument("--worker-threads", type=int, default=0, help="megatrain: host_threads (0: automatic)")
     ap.add_argument("--kept-saves", default="all", choices=["all", "matmuls"], help="megatrain: kept_saves")
     ap.add_argument("--no-run-on", action="store_true", help="megatrain: overlap_next_forward=False")
-    ap.add_argument("--bf16-grads", action="store_true", help="megatrain: bf16_grads=True")
+    ap.add_argument("--bf16-grads", action="store_true",
+                    help="megatrain: bf16_grads=True (default None: on where the one-pass kernel builds)")
     ap.add_argument("--split-embedding", action="store_true", help="megatrain: split_embedding_update=True")
     ap.add_argument("--fp32-grads", action="store_true",
-                    help="megatrain: bf16_grads=False (the default since it was measured slower; the flag was "
-                         "needed for the runs of commit 2ad7437, whose default was True)")
+                    help="megatrain: bf16_grads=False (fp32 gradients; the default before the one-pass kernel)")
     ap.add_argument("--grad-buffers", type=int, default=None,
                     help="megatrain: grad_buffers (0: own accumulators; default: automatic)")
     ap.add_argument("--timeout", type=int, default=540)
@@ -362,7 +368,7 @@ def main() -> None:
                 f"-cache{args.cache}" if args.cache else "") + ("-offload-inputs" if args.offload_inputs else "") + (
                 f"-losschunk{args.loss_chunk}" if args.loss_chunk else "") + (
                 "-compact" if args.host_state == "compact" else "") + ("-no-runon" if args.no_run_on else "") + (
-                "-fp32grads" if args.fp32_grads else "-bf16grads" + _half_kernel() if args.bf16_grads else "") + (
+                _grads_label(args)) + (
                 "-splitemb" if args.split_embedding else "") + (
                 f"-gradbuf{args.grad_buffers}" if args.grad_buffers is not None else "") + (
                 f"-worker{args.worker_threads}" if args.worker_threads else "")

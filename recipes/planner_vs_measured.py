@@ -21,14 +21,15 @@ COMMON = ["data=synthetic", "hardware=h200", "hardware.host_memory_gb=135", "har
 
 def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk: int | None = 4096,
          offload: bool = False, layers: int | None = None, host_gb: int | None = None, grad_buffers: int = 0,
-         run_on: bool = False, kept_saves: str = "all", host_state: str = "fp32") -> list[str]:
+         run_on: bool = False, kept_saves: str = "all", host_state: str = "fp32", bf16_grads: bool = False) -> list[str]:
     """Defaults: what the first runs had (every block its own fp32 accumulator, the host step finished
     before the next forward); the later runs name their pool, run-on and kept_saves."""
     over = [f"model={model}", f"data.batch_size={mb}", f"trainer.accumulate_grad_batches={acc}",
             f"strategy.keep_activations={keep}", f"strategy.cache_weights={cache}",
             f"strategy.offload_inputs={offload}", f"model.loss_chunk_tokens={chunk if chunk else 'null'}",
             f"strategy.grad_buffers={grad_buffers}", f"strategy.overlap_next_forward={run_on}",
-            f"strategy.kept_saves={kept_saves}", f"strategy.host_state={host_state}"]
+            f"strategy.kept_saves={kept_saves}", f"strategy.host_state={host_state}",
+            f"strategy.bf16_grads={bf16_grads}"]
     if layers:
         over.append(f"model.config.num_hidden_layers={layers}")
     if host_gb:
@@ -37,6 +38,9 @@ def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk
 
 
 RUNS = {  # name: (overrides, measured step s, peak GPU allocated GiB, peak GPU reserved GiB, peak host RSS GiB)
+    # session 10 (commit aabbdfd): bf16 gradients through the one-pass kernel, the default since (mean of two runs)
+    "3B, run-on, own accumulators, keep 32, cache 36, loss chunk 4096, bf16 gradients (one-pass kernel)": (
+        _run("qwen2_5_3b", 8, keep=32, cache=36, run_on=True, bf16_grads=True), 1.005, 92.11, 95.11, 42.56),
     # the last runs (commit 2ad7437, --fp32-grads: the default since)
     "7B, 16 x 2048, run-on, pool of 4, keep 24 saving matmuls, cache 28, loss chunk 4096, head in backward": (
         _run("qwen2_5_7b", 16, keep=24, cache=28, run_on=True, grad_buffers=4, kept_saves="matmuls"), 3.5465, 123.56, 127.22, 94.27),

@@ -79,9 +79,10 @@ def test_bf16_gradients_train_exactly_like_fp32_gradients(
     assert any(not torch.equal(ref.init_state[k], ref.state[k]) for k in ref.state)  # it trained
 
 
-def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
-    """In fp32 the gradients are fp32: nothing travels as bf16; nor by default. In bf16 with the option, the blocks' parameters have no
-    ``.grad`` after a step whose updates took the bf16 path (their gradients went into the update)."""
+def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In fp32 the gradients are fp32: nothing travels as bf16. In bf16 the default takes the bf16 path
+    where the one-pass kernel is (and not where it is not, nor with ``bf16_grads=False``); the blocks'
+    parameters have no ``.grad`` after a step whose updates took it (their gradients went into the update)."""
 
     class Grads(EngineProbe):
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -93,12 +94,18 @@ def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it() -> None:
     fit(TinyLlama, megatrain(bf16_grads=True), precision="32-true", callbacks=[probe], max_steps=3)
     assert probe.half_sent == 0
     probe = Grads()
-    fit(TinyLlama, megatrain(), precision="bf16-mixed", callbacks=[probe], max_steps=3)
-    assert probe.half_sent == 0  # off by default
+    fit(TinyLlama, megatrain(bf16_grads=False), precision="bf16-mixed", callbacks=[probe], max_steps=3)
+    assert probe.half_sent == 0
+    assert native_adam.kernel() is not None, native_adam.unavailable_reason()
+    for strategy in (megatrain(bf16_grads=True), megatrain()):  # the default: on, the kernel being there
+        probe = Grads()
+        fit(TinyLlama, strategy, precision="bf16-mixed", callbacks=[probe], max_steps=3)
+        assert probe.half_sent > 0
+        assert all(g is None for g in probe.block_grads)
+    monkeypatch.setattr(native_adam, "kernel", lambda: None)  # no compiler: the default is fp32 gradients
     probe = Grads()
-    fit(TinyLlama, megatrain(bf16_grads=True), precision="bf16-mixed", callbacks=[probe], max_steps=3)
-    assert probe.half_sent > 0
-    assert all(g is None for g in probe.block_grads)
+    fit(TinyLlama, megatrain(), precision="bf16-mixed", callbacks=[probe], max_steps=3)
+    assert probe.half_sent == 0
 
 
 def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
