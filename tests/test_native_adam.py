@@ -112,3 +112,94 @@ def test_a_failing_build_leaves_no_library_behind(fresh_kernel: Path, monkeypatc
     assert native_adam.kernel() is None
     assert "failed" in native_adam.unavailable_reason()
     assert list(fresh_kernel.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------ compact state
+def _compact_state(n: int, seed: int, with_low: bool) -> list:
+    from megatrain_lightning.engine.host_store import split_fp32
+
+    g = torch.Generator().manual_seed(seed)
+    hi = torch.empty(n, dtype=torch.bfloat16)
+    lo = torch.empty(n, dtype=torch.int16)
+    split_fp32((torch.randn(n, generator=g) * 0.02).view(torch.int32), hi, lo, torch.empty(n, dtype=torch.int32))
+    m = (torch.randn(n, generator=g) * 1e-3).to(torch.bfloat16)
+    v = (torch.rand(n, generator=g) * 1e-6).to(torch.bfloat16)
+    return [hi, lo if with_low else None, m, v]
+
+
+@pytest.mark.parametrize("with_low", [True, False], ids=["compact", "plain-bf16-masters"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32-grads", "bf16-grads"])
+def test_compact_kernel_equals_the_chunked_torch_path(with_low: bool, grad_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compact_adam_step`` with the one-pass kernel against its chunked torch path, bit for bit: weights
+    (both halves) and the stochastically rounded moments, over three steps, with spans of odd lengths,
+    gaps, a span whose dither indices wrap around the table's period, and two threads."""
+    from megatrain_lightning.engine import host_adam
+    from megatrain_lightning.engine.host_adam import CompactSpan, compact_adam_step
+
+    k = native_adam.kernel()
+    assert k is not None and k.compact, native_adam.unavailable_reason()
+    sizes, gap = [150_001, 37, 16, 70_000 + 9], 13
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += n + gap
+    g = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(pos, generator=g) * 1e-3).to(grad_dtype) for _ in range(3)]
+    # a first step whose dither offset puts the period's end inside the first span
+    first = next(s for s in range(1, 10_000) if host_adam._DITHER_P - 120_000 < s * host_adam._DITHER_STEP % host_adam._DITHER_P < host_adam._DITHER_P - 30_000)
+    hyper = HYPERS[0] if with_low else HYPERS[1]
+
+    def train(native: bool) -> list:
+        state = _compact_state(pos, 1, with_low)
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(native_adam, "kernel", lambda: None)
+            mp.setattr(torch, "get_num_threads", lambda: 2)
+            for i, grad in enumerate(grads):
+                step = torch.tensor(float(first + i))
+                spans = [CompactSpan(o, o + n, grad[o : o + n], step) for o, n in zip(offsets, sizes)]
+                compact_adam_step(*state, spans, hyper)
+        return state
+
+    got, want = train(True), train(False)
+    for name, a, b in zip(("high half", "low half", "exp_avg", "exp_avg_sq"), got, want):
+        if b is None:
+            continue
+        bad = (a.view(torch.int16) != b.view(torch.int16)).nonzero().flatten()
+        assert bad.numel() == 0, f"{name}: {bad.numel()} elements differ from the chunked path, first at {bad[:5].tolist()}"
+    assert not torch.equal(got[0], _compact_state(pos, 1, with_low)[0])  # it trained
+
+
+def test_compact_check_refuses_a_kernel_that_rounds_or_steps_differently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time check of the compact kernel (its variant is the one the fp32 check chose) fails for a
+    kernel whose stochastic rounding reads the dither one element off, or whose weight update is off by a
+    part in 10^6 of the learning rate."""
+    import dataclasses
+
+    k = native_adam.kernel()
+    assert k is not None and k.compact
+    assert native_adam._compact_matches(k)
+    real = native_adam.NativeAdam.compact_step
+    monkeypatch.setattr(native_adam.NativeAdam, "compact_step",
+                        lambda self, *a, **kw: real(self, *a[:6], a[6][1:], **kw))  # dither shifted
+    assert not native_adam._compact_matches(k)
+    monkeypatch.setattr(native_adam.NativeAdam, "compact_step", lambda self, *a, **kw: real(
+        self, *a[:5], dataclasses.replace(a[5], lr=a[5].lr * (1 + 1e-6)), *a[6:], **kw))
+    assert not native_adam._compact_matches(k)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_compact_training_is_the_same_with_and_without_the_kernel(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compact-state training run (overlapped updates, bf16 gradients in bf16-mixed) with the one-pass
+    kernel equals the one in torch ops: every loss and every weight."""
+    from conftest import fit, megatrain
+    from zoo import TinyLlama
+
+    assert native_adam.kernel() is not None and native_adam.kernel().compact
+    with_kernel = fit(TinyLlama, megatrain(host_state="compact"), precision=precision, max_steps=5)
+    monkeypatch.setattr(native_adam, "kernel", lambda: None)
+    without = fit(TinyLlama, megatrain(host_state="compact"), precision=precision, max_steps=5)
+    assert with_kernel.losses == without.losses
+    diff = [k for k in with_kernel.state if not torch.equal(with_kernel.state[k], without.state[k])]
+    assert not diff, diff[:4]
+    assert any(not torch.equal(with_kernel.init_state[k], with_kernel.state[k]) for k in with_kernel.state)

@@ -222,7 +222,30 @@ def compact_adam_step(
     path: only the moments' storage differs), split the weights again and store the moments rounded
     stochastically to bf16. Each pass is one multi-threaded torch op over a cache-sized chunk. Without
     ``master_low`` (plain bf16 masters) the new weight is rounded to the nearest bf16.
+
+    With the one-pass kernel (``native_adam``, where it builds and reproduces this path bit for bit) all
+    of that happens per element in one pass, and only each span's tail (under 16 elements, torch's
+    scalar loop) takes the chunked path below.
     """
+    from . import native_adam  # deferred: native_adam builds on this module
+
+    native = native_adam.kernel()
+    if native is not None and native.compact:
+        spans = native.compact_step(master, master_low, exp_avg, exp_avg_sq, spans, hyper, _dither_table(16))
+    _compact_torch(master, master_low, exp_avg, exp_avg_sq, spans, hyper)
+
+
+def _compact_torch(
+    master: torch.Tensor,
+    master_low: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    spans: Sequence[CompactSpan],
+    hyper: AdamHyper,
+) -> None:
+    """:func:`compact_adam_step` in torch ops, chunk by chunk (14 passes per chunk)."""
+    if not spans:
+        return
     chunk = chunk_elems()
     w, tmp, mv = _chunk_scratch(chunk)
     w_bits = w.view(torch.int32)

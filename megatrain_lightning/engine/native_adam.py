@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .host_adam import AdamHyper, Piece, adam_kernel
+from .host_adam import AdamHyper, CompactSpan, Piece, adam_kernel
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,67 @@ class _CHyper(ctypes.Structure):
     ]
 
 
-class NativeAdam:
-    """The loaded kernel, with the variant and torch's vector width that reproduce torch exactly."""
+class _CSpan(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_int64), ("end", ctypes.c_int64), ("tail", ctypes.c_int64), ("step", ctypes.c_double),
+                ("grad", ctypes.c_void_p), ("grad_bf16", ctypes.c_int32)]
 
-    def __init__(self, fn: ctypes._CFuncPtr, flags: int, width: int) -> None:
+
+class NativeAdam:
+    """The loaded kernel, with the variant and torch's vector width that reproduce torch exactly.
+
+    ``compact``: whether the compact-state kernel also reproduces ``host_adam``'s chunked compact update
+    bit for bit (checked at load after the variant is chosen); without it that path stays in torch ops.
+    """
+
+    def __init__(self, fn: ctypes._CFuncPtr, flags: int, width: int, compact_fn: ctypes._CFuncPtr | None = None) -> None:
         self._fn = fn
+        self._compact_fn = compact_fn
         self.flags = flags
         self.width = width  # torch's float vector width: a parameter's last numel % width elements are its tail
+        self.compact = False
+
+    def compact_step(
+        self,
+        master: torch.Tensor,
+        master_low: torch.Tensor | None,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        spans: Sequence[CompactSpan],
+        hyper: AdamHyper,
+        dither: torch.Tensor,
+        threads: int | None = None,
+    ) -> list[CompactSpan]:
+        """The compact update (``host_adam.compact_adam_step``) of ``spans`` but their tails, in place;
+        returns the tails (each span's last ``len % width`` elements, as spans) for the caller's chunked
+        path, which runs torch's own tail loop on them. ``dither``: ``host_adam``'s table (at least its
+        period long)."""
+        assert self._compact_fn is not None
+        for t in (master, exp_avg, exp_avg_sq):
+            assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"
+        assert master_low is None or (master_low.dtype == torch.int16 and master_low.is_contiguous())
+        from .host_adam import _DITHER_P, _DITHER_STEP, _DITHER_V
+
+        assert dither.dtype == torch.int32 and dither.numel() >= _DITHER_P
+        arr = (_CSpan * len(spans))()
+        tails = []
+        for k, sp in enumerate(spans):
+            assert sp.grad.is_contiguous() and sp.grad.dtype in (torch.float32, torch.bfloat16)
+            tail = sp.end - (sp.end - sp.start) % self.width
+            arr[k].start, arr[k].end, arr[k].tail, arr[k].step = sp.start, sp.end, tail, float(sp.step)
+            arr[k].grad, arr[k].grad_bf16 = sp.grad.data_ptr(), int(sp.grad.dtype == torch.bfloat16)
+            if tail < sp.end:
+                tails.append(CompactSpan(tail, sp.end, sp.grad[tail - sp.start :], sp.step))
+        h = _CHyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+                    int(hyper.decoupled), int(hyper.maximize))
+        self._compact_fn(
+            ctypes.c_void_p(master.data_ptr()),
+            ctypes.c_void_p(master_low.data_ptr() if master_low is not None else None),
+            ctypes.c_void_p(exp_avg.data_ptr()), ctypes.c_void_p(exp_avg_sq.data_ptr()),
+            arr, ctypes.c_int64(len(spans)), ctypes.byref(h), ctypes.c_int(self.flags),
+            ctypes.c_int(threads or torch.get_num_threads()), ctypes.c_void_p(dither.data_ptr()),
+            ctypes.c_int64(_DITHER_P), ctypes.c_int64(_DITHER_STEP), ctypes.c_int64(_DITHER_V),
+        )
+        return tails
 
     def step(
         self,
@@ -158,11 +212,18 @@ def _load() -> NativeAdam:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.POINTER(_CPiece), ctypes.c_int64, ctypes.POINTER(_CHyper),
                                            ctypes.c_int, ctypes.c_int]
+    compact_fn = lib.megatrain_adam_compact
+    compact_fn.restype = None
+    compact_fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.POINTER(_CSpan), ctypes.c_int64, ctypes.POINTER(_CHyper),
+                                                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 3
     widths = (16, 8) if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else (8, 16)
     for width in widths:
         for flags in _VARIANTS:
-            candidate = NativeAdam(fn, flags, width)
+            candidate = NativeAdam(fn, flags, width, compact_fn)
             if _matches_torch(candidate):
+                candidate.compact = _compact_matches(candidate)
+                if not candidate.compact:
+                    log.info("native compact-state AdamW does not reproduce the chunked one: not used")
                 return candidate
     raise _Unavailable("no compiled variant reproduces this torch build's fused AdamW bit for bit")
 
@@ -232,4 +293,45 @@ def _matches_torch(k: NativeAdam) -> bool:
             k.step(p, m, v, grad, [Piece(o, o + n, st) for o, n, st in zip(offsets, sizes, steps)], hyper, threads=2)
             if not all(torch.equal(a, b) for a, b in zip((p, m, v), ref)):
                 return False
+    return True
+
+
+def _compact_matches(k: NativeAdam) -> bool:
+    """Bit for bit ``host_adam.compact_adam_step``'s chunked path (torch ops), with and without the low
+    half, fp32 and bf16 gradients, Adam and AdamW, several spans with gaps and tails."""
+    from . import host_adam
+    from .host_store import split_fp32
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [37, 1000, 16, 64 + 9, 3]
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += n + 11
+    cases = [
+        AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, True, False),
+        AdamHyper(3e-3, 0.9, 0.99, 1e-6, 0.05, False, True),
+    ]
+    for hyper in cases:
+        for with_low in (True, False):
+            for grad_dtype in (torch.float32, torch.bfloat16):
+                w = torch.randn(pos, generator=g)
+                hi = torch.empty(pos, dtype=torch.bfloat16)
+                lo = torch.empty(pos, dtype=torch.int16)
+                split_fp32(w.view(torch.int32).clone(), hi, lo, torch.empty(pos, dtype=torch.int32))
+                m = (torch.randn(pos, generator=g) * 1e-2).to(torch.bfloat16)
+                v = (torch.rand(pos, generator=g) * 1e-4).to(torch.bfloat16)
+                grad = (torch.randn(pos, generator=g) * 1e-2).to(grad_dtype)
+                state = [hi, lo if with_low else None, m, v]
+                ref = [t.clone() if t is not None else None for t in state]
+
+                def spans(step: float) -> list[CompactSpan]:
+                    st = torch.tensor(step)
+                    return [CompactSpan(o, o + n, grad[o : o + n], st) for o, n in zip(offsets, sizes)]
+
+                host_adam._compact_torch(*ref, spans(3.0), hyper)
+                tails = k.compact_step(*state, spans(3.0), hyper, host_adam._dither_table(16), threads=2)
+                host_adam._compact_torch(*state, tails, hyper)
+                if not all(a is None or torch.equal(a, b) for a, b in zip(state, ref)):
+                    return False
     return True
