@@ -57,9 +57,12 @@ LOGIT_BYTES_FORWARD = 2 + 4 + 4
 LOGIT_BYTES_BACKWARD = 4 + 4 + 4
 # host_state="compact": its AdamW (rebuild the fp32 master from two halves, fused AdamW, split, round the
 # bf16 moments stochastically) against torch's fused fp32 AdamW on the same host, measured with
-# recipes/benchmark_host_adam.py on the 16-core H200 host with 4 M-element chunks (what 16 threads get,
-# host_adam.CHUNK_PER_THREAD): 1.40 against 4.41 G params/s, 0.32x (2-core development machine: 0.4-0.5x).
-COMPACT_ADAM_SPEED = 0.32
+# recipes/benchmark_host_adam.py --params 256e6 on the 16-core H200 host (2026-11-30): the one-pass kernel
+# (engine/native_adam.c, 16-18 host bytes/param against fp32's 28) 5.445 against 4.340 G params/s, 1.25x;
+# the chunked torch ops (its fallback without a C compiler; 4 M-element chunks, what 16 threads get)
+# 1.292-1.40 against 4.34-4.41, 0.32x.
+COMPACT_ADAM_SPEED = 1.25
+COMPACT_ADAM_SPEED_CHUNKED = 0.32
 # Host-side fp32 bytes per parameter, as engine/host_store.py allocates them.
 MASTER_B, GRAD_B, MOMENTS_B = 4, 4, 8
 
@@ -121,6 +124,7 @@ class RunSettings:
     loss_chunk_tokens: int | None = None  # None: Hugging Face's loss over all logits at once
     bf16: bool = True  # compute dtype bf16 (slots stage fp32 then cast); False: fp32 everywhere
     compact_state: bool = False  # host_state="compact": 8 B/param lasting state, bf16 weight copies
+    compact_native: bool = True  # its one-pass kernel builds (False: the chunked torch ops, engines before 12283d1)
     keep_activations: int = 0  # last blocks not recomputed (their activations stay on the device)
     kept_saves_matmuls: bool = False  # kept_saves="matmuls": kept blocks hold matmul/attention outputs only
     cache_weights: int = 0  # last blocks whose weights stay on the device for the step
@@ -341,7 +345,8 @@ def step_times(shape: PlanShape, run: RunSettings, hw: HardwareProfile, pinned_o
     h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
     d2h_bwd = (grad_b * shape.block_params + 4 * shape.resident_params) / (link * BIDIRECTIONAL_FACTOR)
-    adam_rate = hw.host_adam_gparams_per_s * 1e9 * (COMPACT_ADAM_SPEED if run.compact_state else 1.0)
+    compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
+    adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact_state else 1.0)
     adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
     # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.

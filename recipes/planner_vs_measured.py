@@ -38,6 +38,13 @@ def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk
 
 
 RUNS = {  # name: (overrides, measured step s, peak GPU allocated GiB, peak GPU reserved GiB, peak host RSS GiB)
+    # session 10, last call (commit 12283d1, the final defaults: bf16 gradients into the one-pass AdamW)
+    "7B, 16 x 2048, run-on, pool of 4, keep 24 saving matmuls, cache 28, loss chunk 4096, head in backward, bf16 gradients": (
+        _run("qwen2_5_7b", 16, keep=24, cache=28, run_on=True, grad_buffers=4, kept_saves="matmuls", bf16_grads=True),
+        3.5018, 123.56, 127.22, 94.34),
+    "14B shape (48 blocks), compact state, one-pass compact kernel, bf16 gradients, 8 x 2048, run-on, pool of 4, keep 4, cache 48, loss chunk 4096, head in backward (10 steps)": (
+        _run("qwen2_5_14b", 8, keep=4, cache=48, run_on=True, grad_buffers=4, host_state="compact", bf16_grads=True),
+        4.1558, 79.07, 88.05, 121.61),
     # session 10 (commit aabbdfd): bf16 gradients through the one-pass kernel, the default since (mean of two runs)
     "3B, run-on, own accumulators, keep 32, cache 36, loss chunk 4096, bf16 gradients (one-pass kernel)": (
         _run("qwen2_5_3b", 8, keep=32, cache=36, run_on=True, bf16_grads=True), 1.005, 92.11, 95.11, 42.56),
@@ -79,8 +86,10 @@ def main() -> None:
     for name, (over, step, alloc, reserved, rss) in RUNS.items():
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="train", overrides=COMMON + over)
-        # the code each run measured: the untied head's update in the backward only in those named so
-        plan = plan_from_config(cfg, head_in_backward="head in backward" in name)
+        # the code each run measured: the untied head's update in the backward only in those named so, the
+        # one-pass compact kernel likewise
+        plan = plan_from_config(cfg, head_in_backward="head in backward" in name,
+                                compact_native="one-pass compact kernel" in name)
         for q, pred, meas, unit in (
             ("step time", plan.step_s, step, "s"),
             (f"peak GPU (allocated; reserved {reserved:.2f} GiB)", plan.gpu_total / GIB, alloc, "GiB"),

@@ -301,6 +301,12 @@ def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> N
                          pinned_budget_gb=1, host_adam_gparams_per_s=1)
     h2d = step_times(shape, compact, hw)["host->device copies"] / step_times(shape, fp32, hw)["host->device copies"]
     assert 0.5 < h2d < 1  # block weights at 2 B instead of 4; resident ones still 4
+    # the host AdamW at the measured speed of the one-pass compact kernel, or of the chunked torch ops
+    from megatrain_lightning.planner import COMPACT_ADAM_SPEED, COMPACT_ADAM_SPEED_CHUNKED
+
+    adam = {s: step_times(shape, dataclasses.replace(compact, compact_native=s), hw)["host optimizer"] for s in (True, False)}
+    assert adam[False] / adam[True] == pytest.approx(COMPACT_ADAM_SPEED / COMPACT_ADAM_SPEED_CHUNKED)
+    assert adam[True] < step_times(shape, fp32, hw)["host optimizer"] < adam[False]  # 1.25x and 0.32x of fp32
     assert state_bytes_per_param("compact") == 12 and state_bytes_per_param(None) == 16
     assert state_bytes_per_param("compact", pooled_grads=True) == 8 and state_bytes_per_param("fp32", True) == 12
     assert check_fits(10**9, 12.0, state_bytes=12) == 12 * 10**9

@@ -9,6 +9,9 @@ The lists handed in here are views into a block's flat master/gradient/moment bu
 ``compact_adam_step`` is the same update for ``host_state="compact"`` stores (bf16 high half + int16 low
 half of the fp32 master, bf16 moments): chunk by chunk, the fp32 values are rebuilt in scratch, the same
 fused kernel runs on them, and the results are split and rounded back.
+
+Both the bf16-gradient update and the compact one have a one-pass C kernel (``native_adam``), used where
+it builds and reproduces the paths here bit for bit; the paths here are its reference and its fallback.
 """
 
 from __future__ import annotations
