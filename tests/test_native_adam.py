@@ -9,6 +9,7 @@ and without a compiler (or switched off) the caller gets None and a reason, neve
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,13 +96,16 @@ def test_built_once_into_the_cache_with_no_partial_files(fresh_kernel: Path) -> 
 
 def test_no_compiler_or_switched_off_gives_none_and_a_reason(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
-    assert native_adam.kernel() is None
+    with pytest.warns(RuntimeWarning, match="kernel is unavailable .no C compiler"):
+        assert native_adam.kernel() is None
     assert "no C compiler" in native_adam.unavailable_reason()
     assert list(fresh_kernel.iterdir()) == []
     native_adam.reset()
     monkeypatch.delenv("CC")
     monkeypatch.setenv("MEGATRAIN_NATIVE_ADAM", "0")
-    assert native_adam.kernel() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off on purpose: no warning
+        assert native_adam.kernel() is None
     assert "MEGATRAIN_NATIVE_ADAM=0" in native_adam.unavailable_reason()
 
 
@@ -109,7 +113,8 @@ def test_a_failing_build_leaves_no_library_behind(fresh_kernel: Path, monkeypatc
     """A compiler that fails (here: an unknown flag) gives None with its message, and nothing in the cache
     that a later run could load."""
     monkeypatch.setattr(native_adam, "CFLAGS", [*native_adam.CFLAGS, "-fno-such-flag-xyz"])
-    assert native_adam.kernel() is None
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert native_adam.kernel() is None
     assert "failed" in native_adam.unavailable_reason()
     assert list(fresh_kernel.iterdir()) == []
 
