@@ -149,10 +149,12 @@ class _GradPath:
         pool_buffers: int = 0,
         pool_numel: int = 0,
         threads: int | None = None,
-        half: bool = False,
+        half: bool | None = False,
     ) -> None:
         self.streams = streams
-        self.half = half  # bf16 gradients bound for an update travel as bf16 (see send)
+        # bf16 gradients bound for an update travel as bf16 (see send); None: where the one-pass kernel
+        # builds, asked at the first bf16 gradient (an fp32 run never builds it)
+        self.half = half
         self.numel = numel
         self.device = device
         self.pins = pins
@@ -208,12 +210,14 @@ class _GradPath:
         self.turn ^= 1
         empty = all(p.grad is None for p in layout.params)
         half = (
-            self.half
+            self.half is not False
             and then is not None
             and empty
             and all(g is not None and g.dtype == torch.bfloat16 for g in grads)
             and not self._busy(store)
         )
+        if half and self.half is None:
+            self.half = half = native_adam.kernel() is not None
         # the two device slabs are fp32; a bf16 store's gradients use the first half of one's bytes
         slab = self.slabs[k].view(torch.bfloat16)[:n] if half else self.slabs[k][:n]
         compute = self.streams.compute()
@@ -551,9 +555,6 @@ class StreamingEngine:
         if grad_buffers is None:
             grad_buffers = 0 if _accumulators_fit(self.all_stores()) else 4
         self.grad_buffers = grad_buffers
-        if bf16_grads is None:
-            bf16_grads = native_adam.kernel() is not None
-        self.bf16_grads = bf16_grads
         self.grads = _GradPath(
             self.streams, grad_numel, self.device, self.pins, grad_buffers, max_numel, host_threads, bf16_grads
         )
