@@ -1,4 +1,6 @@
-/* Adam(W) of fp32 master weights and moments from bf16 gradients, in one pass over memory.
+/* Host Adam(W) in one pass over memory: fp32 master weights and moments from bf16 gradients
+ * (megatrain_adam_bf16_grad), and the compact state's bf16/int16 halves and bf16 moments
+ * (megatrain_adam_compact, below).
  *
  * Compiled at first use by native_adam.py (cc -O3 -march=native -ffp-contract=off -fno-math-errno -fopenmp)
  * and called through ctypes. Why it exists: torch's fused CPU AdamW takes gradients of the parameter's
@@ -18,7 +20,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 
 #define V_FMA 1        /* vector path: exp_avg_sq = fma(c2 * g, g, exp_avg_sq * beta2) */
 #define V_FMA_SQ 2     /* vector path: exp_avg_sq = fma(exp_avg_sq, beta2, c2 * g * g) */
