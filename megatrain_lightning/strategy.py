@@ -90,8 +90,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             checkpoints) are bf16, the exact low halves travel in the optimizer state (``master_low``);
             Adam/AdamW only. The host step, with the one-pass kernel (``engine/native_adam.c``, built at
             first use where a C compiler is), is faster per parameter than fp32 state's (1.25x on the
-            16-core H200 host: fewer bytes); without it, chunked torch ops, ~3x slower (0.32x). Halves the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss is
-            within 0.01% of ``"fp32"``, where plain bf16 masters end 3.3% off (README, "Compact state").
+            16-core H200 host: fewer bytes); without it, chunked torch ops, ~3x slower (0.32x). Halves
+            the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss
+            is within 0.01% of ``"fp32"``, where plain bf16 masters end 3.3% off (README, "Compact state").
         grad_buffers: pinned gradient buffers (one block each) lent to blocks whose update overlaps the
             backward (see ``overlap_optimizer``) when nothing accumulates: such steps keep no full-size fp32
             gradient accumulator on the host (4 B/param: 30 GB at 7B). After the step those blocks'
