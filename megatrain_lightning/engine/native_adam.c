@@ -132,6 +132,12 @@ static void run_range(float *p, float *m, float *v, const uint16_t *g, const pie
     }
 }
 
+/* The length of each thread's contiguous run over n elements: a multiple of 16, at least 4096. */
+static int64_t run_length(int64_t n, int threads) {
+    int64_t per = (n / (threads < 1 ? 1 : threads) + 15) / 16 * 16;
+    return per < 4096 ? 4096 : per;
+}
+
 /* The update of the pieces' elements but their tails, split over `threads` OpenMP threads into contiguous
  * runs of at least 4096 elements (the arithmetic of an element depends on nothing but its own values, so
  * the split does not change the result). Called with the GIL released (ctypes); returns when done. */
@@ -139,12 +145,8 @@ void megatrain_adam_bf16_grad(float *p, float *m, float *v, const uint16_t *g, c
                               int64_t npieces, const hyper_t *h, int flags, int threads) {
     if (npieces <= 0) return;
     int64_t lo = pieces[0].start, hi = pieces[npieces - 1].end;
-    if (threads < 1) threads = 1;
-    int64_t per = ((hi - lo) / threads + 15) / 16 * 16;
-    if (per < 4096) per = 4096;
-    int64_t parts = (hi - lo + per - 1) / per;
-    if (parts < 1) parts = 1;
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (parts > 1)
+    int64_t per = run_length(hi - lo, threads), parts = (hi - lo + per - 1) / per;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static, 1) if (parts > 1)
     for (int64_t i = 0; i < parts; i++) {
         int64_t a = lo + i * per;
         int64_t b = a + per < hi ? a + per : hi;
@@ -272,12 +274,8 @@ void megatrain_adam_compact(uint16_t *hi, int16_t *lo, uint16_t *m16, uint16_t *
                             int64_t period, int64_t dstep, int64_t dshift) {
     if (nspans <= 0) return;
     int64_t first = spans[0].start, end = spans[nspans - 1].end;
-    if (threads < 1) threads = 1;
-    int64_t per = ((end - first) / threads + 15) / 16 * 16;
-    if (per < 4096) per = 4096;
-    int64_t parts = (end - first + per - 1) / per;
-    if (parts < 1) parts = 1;
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (parts > 1)
+    int64_t per = run_length(end - first, threads), parts = (end - first + per - 1) / per;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static, 1) if (parts > 1)
     for (int64_t i = 0; i < parts; i++) {
         int64_t a = first + i * per;
         int64_t b = a + per < end ? a + per : end;

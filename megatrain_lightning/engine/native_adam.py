@@ -65,6 +65,11 @@ class _CSpan(ctypes.Structure):
                 ("grad", ctypes.c_void_p), ("grad_bf16", ctypes.c_int32)]
 
 
+def _c_hyper(hyper: AdamHyper) -> _CHyper:
+    return _CHyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+                   int(hyper.decoupled), int(hyper.maximize))
+
+
 class NativeAdam:
     """The loaded kernel, with the variant and torch's vector width that reproduce torch exactly.
 
@@ -110,13 +115,11 @@ class NativeAdam:
             arr[k].grad, arr[k].grad_bf16 = sp.grad.data_ptr(), int(sp.grad.dtype == torch.bfloat16)
             if tail < sp.end:
                 tails.append(CompactSpan(tail, sp.end, sp.grad[tail - sp.start :], sp.step))
-        h = _CHyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-                    int(hyper.decoupled), int(hyper.maximize))
         self._compact_fn(
             ctypes.c_void_p(master.data_ptr()),
             ctypes.c_void_p(master_low.data_ptr() if master_low is not None else None),
             ctypes.c_void_p(exp_avg.data_ptr()), ctypes.c_void_p(exp_avg_sq.data_ptr()),
-            arr, ctypes.c_int64(len(spans)), ctypes.byref(h), ctypes.c_int(self.flags),
+            arr, ctypes.c_int64(len(spans)), ctypes.byref(_c_hyper(hyper)), ctypes.c_int(self.flags),
             ctypes.c_int(threads or torch.get_num_threads()), ctypes.c_void_p(dither.data_ptr()),
             ctypes.c_int64(_DITHER_P), ctypes.c_int64(_DITHER_STEP), ctypes.c_int64(_DITHER_V),
         )
@@ -150,12 +153,10 @@ class NativeAdam:
             arr[k].start, arr[k].end, arr[k].tail, arr[k].step = pc.start, pc.end, tail, float(pc.step)
             if tail < pc.end:
                 tails.append((tail, pc.end, pc.step))
-        h = _CHyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-                    int(hyper.decoupled), int(hyper.maximize))
         self._fn(
             ctypes.c_void_p(master.data_ptr()), ctypes.c_void_p(exp_avg.data_ptr()),
             ctypes.c_void_p(exp_avg_sq.data_ptr()), ctypes.c_void_p(grad.data_ptr()),
-            arr, ctypes.c_int64(len(pieces)), ctypes.byref(h), ctypes.c_int(self.flags),
+            arr, ctypes.c_int64(len(pieces)), ctypes.byref(_c_hyper(hyper)), ctypes.c_int(self.flags),
             ctypes.c_int(threads or torch.get_num_threads()),
         )
         if tails:  # torch's scalar loop, on the very elements (addresses) it would have run it on
