@@ -7,6 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .checkpoint_io import ShardedCheckpointIO
+from .config import EngineConfig
 from .export import export_hf
 from .optim import HostAdamW
 from .precision import MegaTrainPrecision
@@ -15,5 +16,5 @@ from .strategy import MegaTrainStrategy
 if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaTrainStrategy", "MegaTrainPrecision", "HostAdamW", "ShardedCheckpointIO", "export_hf"]
+__all__ = ["MegaTrainStrategy", "EngineConfig", "MegaTrainPrecision", "HostAdamW", "ShardedCheckpointIO", "export_hf"]
 __version__ = "0.1.0"

@@ -1,9 +1,10 @@
 """The training application behind `train.py`: one composed config in, one trained model out.
 
 `train(cfg)` is a plain function (no Hydra inside, so tests and notebooks call it directly): it
-resolves the hardware profile, builds the model on the meta device to count its parameters, refuses
-a model whose training state cannot fit host memory, and only then instantiates data, strategy and
-Trainer, validates (the starting exact match), fits, and validates again. Every run leaves
+resolves the hardware profile, builds the model on the meta device to count its parameters, plans the
+run (``megatrain_lightning.plan``: refusing a model whose training state cannot fit host memory), and
+only then instantiates data, strategy and Trainer, validates (the starting exact match), fits, and
+validates again. Every run leaves
 `run_info.json` (written before training: what was attempted) and `metrics.json` (after: what it
 measured) in its output directory; the sweep table is built from those.
 """
@@ -24,16 +25,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from megatrain_lightning.errors import ConfigError
-from megatrain_lightning.hardware import HardwareProfile
-from megatrain_lightning.plan import (
-    GB,
-    check_fits,
-    device_state_warning,
-    estimate_host_bytes,
-    pin_memory_fits,
-    state_bytes_per_param,
-    state_description,
-)
+from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
+from megatrain_lightning.plan import GB, Plan, check_baseline_host, device_state_warning, plan_from_config, verdict
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +74,6 @@ def choice(cfg: DictConfig, group: str) -> str:
     return str(node.get("_target_", "?")).rsplit(".", 1)[-1] if node is not None else "?"
 
 
-def resolve_hardware(cfg: DictConfig) -> HardwareProfile:
-    """Instantiate the hardware profile (running detection for `auto`) and write it back into `cfg`.
-
-    Other groups interpolate `${hardware.slots}` and the like; after this they read the detected
-    numbers, which `auto.yaml` cannot know when it is composed.
-    """
-    profile = instantiate(cfg.hardware)
-    if not isinstance(profile, HardwareProfile):
-        raise ConfigError(f"hardware config gave a {type(profile).__name__}, not a HardwareProfile")
-    with open_dict(cfg):
-        cfg.hardware = OmegaConf.create(dataclasses.asdict(profile))
-    return profile
-
-
 def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareProfile) -> None:
     """A clear error, before anything is built, for a strategy whose package or GPU is missing."""
     target = str(strategy_node.get("_target_"))
@@ -111,12 +90,52 @@ def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareP
         )
 
 
-def build_strategy(node: DictConfig, hw: HardwareProfile, num_params: int) -> Any:
-    """The strategy, with `pin_memory: null` decided by the profile's pinned-memory budget."""
-    kwargs: dict[str, Any] = {}
-    if "pin_memory" in node and node.pin_memory is None and hw.accelerator == "cuda":
-        kwargs["pin_memory"] = pin_memory_fits(num_params, hw.pinned_budget_gb)
-    return instantiate(node, **kwargs)
+def build_strategy(node: DictConfig, hw: HardwareProfile, plan: Plan | None) -> Any:
+    """The strategy, with MegaTrain's ``engine.pin_memory: null`` decided by the plan's pinned-memory budget."""
+    engine = node.get("engine")
+    if plan is not None and engine is not None and engine.get("pin_memory") is None and hw.accelerator == "cuda":
+        with open_dict(node):
+            node.engine.pin_memory = plan.pinned_ok
+    return instantiate(node)
+
+
+def _is_megatrain(node: DictConfig) -> bool:
+    return str(node.get("_target_", "")).endswith("MegaTrainStrategy")
+
+
+def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_name: str, num_params: int) -> tuple[Plan | None, float]:
+    """The fit check of the chosen strategy, before anything large is allocated: MegaTrain's plan (host
+    refusal, device warning), or the 16 B/param of a baseline. Returns the plan (MegaTrain) and the host
+    bytes of training state it counts."""
+    if _is_megatrain(cfg.strategy):
+        plan = plan_from_config(cfg, refuse_device=False)
+        log.info("%s", verdict(plan))
+        if plan.gpu_total > plan.gpu_available:
+            log.warning("the planner puts the device peak at %.1f GB, over the %.1f GB available: expect an "
+                        "out-of-memory error (python -m megatrain_lightning.plan ... says what to change)",
+                        plan.gpu_total / GB, plan.gpu_available / GB)
+        return plan, plan.host_total
+    target = str(cfg.strategy.get("_target_"))
+    if target.endswith(_DEVICE_RESIDENT):
+        if hw.accelerator == "cuda":
+            warning = device_state_warning(num_params, hw.device_memory_gb, strategy_name)
+            if warning:
+                log.warning(warning)
+        return None, 0.0
+    return None, check_baseline_host(model_name, num_params, hw)
+
+
+def machine() -> str:
+    """What ran this: $MACHINE if set (e.g. nvidia-h200), the GPU, the host cores, torch and transformers."""
+    import os
+
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    label = os.environ.get("MACHINE")
+    return (f"{label + ': ' if label else ''}{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -149,38 +168,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         model = instantiate(cfg.model)  # meta device only: parameters counted, nothing allocated
         shape = model.model_shape
-        pooled = (
-            str(cfg.strategy.get("_target_", "")).endswith("MegaTrainStrategy")
-            and (cfg.strategy.get("grad_buffers") is None or int(cfg.strategy.get("grad_buffers")) > 0)
-            and int(cfg.trainer.get("accumulate_grad_batches") or 1) == 1
-            and not cfg.trainer.get("gradient_clip_val")
-        )
-        # 16 B/param, 12 with host_state=compact; 4 less when the gradients live in the pooled buffers
-        state_bytes = state_bytes_per_param(cfg.strategy.get("host_state"), pooled)
-        info = {
+        info: dict[str, Any] = {
+            "machine": machine(),
             "model": model_name,
             "params": shape.total_params,
             "active_params": shape.active_params,
             "strategy": strategy_name,
             "hardware": hw.name,
-            "host_state_gb": round(estimate_host_bytes(shape.total_params, state_bytes) / GB, 3),
         }
+        _write_json(out_dir / "run_info.json", info)  # what was attempted, even if refused next
+        plan, host_state_bytes = check_fits(cfg, hw, model_name, strategy_name, shape.total_params)
+        info.update(host_state_gb=round(host_state_bytes / GB, 3),
+                    predicted_step_s=round(plan.step_s, 4) if plan is not None else None)
         _write_json(out_dir / "run_info.json", info)
-        check_fits(shape.total_params, hw.host_memory_gb, model=model_name, hardware=hw.name, state_bytes=state_bytes,
-                   what=state_description(cfg.strategy.get("host_state"), pooled))
-        if hw.accelerator == "cuda" and str(cfg.strategy.get("_target_")).endswith(_DEVICE_RESIDENT):
-            warning = device_state_warning(shape.total_params, hw.device_memory_gb, strategy_name)
-            if warning:
-                log.warning(warning)
-        log.info(
-            "plan: %s, %.3f B parameters (%.3f B active per token); host state %.1f GB of %.0f GB; "
-            "weights stream in %.2f s per pass (fp32 masters, cast on the device) at %.0f GB/s",
-            model_name, shape.total_params / 1e9, shape.active_params / 1e9,
-            info["host_state_gb"], hw.host_memory_gb, 4 * shape.total_params / GB / hw.link_gb_per_s,
-            hw.link_gb_per_s,
-        )
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
-        strategy = build_strategy(cfg.strategy, hw, shape.total_params)
+        strategy = build_strategy(cfg.strategy, hw, plan)
         trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key} must be set, e.g. python train.py {err.full_key}=...") from None
@@ -205,6 +207,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "steps": trainer.global_step,
         "loss": fit_metrics.get("loss"),
         "tokens_per_s": summary.get("tokens/s"),
+        "step_s": summary["s/batch"] * int(cfg.trainer.get("accumulate_grad_batches") or 1) if summary else None,
         "tflops": summary.get("TFLOPS"),
         "mfu": summary.get("MFU"),
         "peak_gpu_mem_gib": peak_gpu_reserved_bytes() / 1024**3,

@@ -7,18 +7,23 @@ memory sizes with the ones measured on this machine.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
+
+from . import host_memory
+from .conf_dir import config_dir
+from .errors import ConfigError
 
 GB = 1e9
 
 # GPU name fragments → profile file, most specific first.
 _NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("A100", "a100_pcie"), ("3090", "rtx3090"))
 PINNED_FRACTION = 0.8  # most of the measured host memory that auto detection lets be pinned
-_PROFILES_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+_PROFILES_DIR = config_dir() / "hardware"
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,8 @@ class HardwareProfile:
 
 
 def measured_host_memory_gb() -> float:
-    """Physical host memory (MemTotal), in GB."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    """Host memory this process may hold (MemTotal, or its cgroup's limit if lower), in GB."""
+    return host_memory.total_bytes() / GB
 
 
 def load_profile(name: str, profiles_dir: Path = _PROFILES_DIR) -> HardwareProfile:
@@ -82,8 +87,6 @@ def detect(host_memory_gb: float | None = None, device_memory_gb: float | None =
     its own memory and no peak (MFU is then not reported): set `hardware=<profile>` or override
     `hardware.peak_bf16_tflops` for a better one.
     """
-    import dataclasses
-
     import torch
 
     host = host_memory_gb or measured_host_memory_gb()
@@ -102,3 +105,27 @@ def detect(host_memory_gb: float | None = None, device_memory_gb: float | None =
         # The profile's budget assumes its own host; never page-lock most of a smaller one.
         pinned_budget_gb=min(base.pinned_budget_gb, PINNED_FRACTION * host),
     )
+
+
+def resolve_hardware(cfg: Any) -> HardwareProfile:
+    """Instantiate ``cfg.hardware`` (running detection for ``auto``) and write it back into ``cfg``.
+
+    Other groups interpolate ``${hardware.slots}`` and the like; after this they read the detected
+    numbers, which ``auto.yaml`` cannot know when it is composed. Idempotent.
+    """
+    import hydra
+    from hydra.errors import InstantiationException
+    from omegaconf import open_dict
+
+    try:
+        profile = hydra.utils.instantiate(cfg.hardware, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, (ConfigError, TypeError)):  # a missing or unknown field of the profile
+            raise ConfigError(f"hardware: {str(cause).splitlines()[0]}") from None
+        raise
+    if not isinstance(profile, HardwareProfile):
+        raise ConfigError(f"hardware config gave a {type(profile).__name__}, not a HardwareProfile")
+    with open_dict(cfg):
+        cfg.hardware = OmegaConf.create({"_target_": f"{__name__}.HardwareProfile", **dataclasses.asdict(profile)})
+    return profile

@@ -49,7 +49,7 @@ def weights_source(model: nn.Module) -> WeightsSource | None:
 
 
 def initializer_for(root: nn.Module) -> Callable[[Sequence[nn.Module]], None]:
-    """The ``init`` callback of :class:`~megatrain_lightning.engine.pipeline.StreamingEngine` for ``root``."""
+    """The ``init`` callback of :class:`~megatrain_lightning.engine.StreamingEngine` for ``root``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # transformers is a dependency, but the init policy does not require it

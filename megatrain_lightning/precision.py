@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
-from .engine.pipeline import StreamingEngine
+from .engine import StreamingEngine
 from .optim import HostOptimizer
 
 _PRECISION = Literal["32-true", "bf16-mixed"]

@@ -1,4 +1,4 @@
-"""MegaTrainStrategy: a thin Lightning adapter over :class:`~megatrain_lightning.engine.pipeline.StreamingEngine`.
+"""MegaTrainStrategy: a thin Lightning adapter over :class:`~megatrain_lightning.engine.StreamingEngine`.
 
 The LightningModule never moves to the device. At setup its repeated blocks are found, every parameter
 becomes a view of a flat fp32 host buffer, and the blocks' ``forward`` is replaced by a streaming one.
@@ -26,10 +26,10 @@ from typing_extensions import override
 
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
-from .engine.host_store import HOST_STATES, HostState
-from .engine.pipeline import KEPT_SAVES, KeptSaves, StreamingEngine
-from .optim import HostOptimizer, chain_zero_grad
+from .config import EngineConfig
+from .engine import StreamingEngine
 from .init import initializer_for
+from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -39,118 +39,39 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     """Train models larger than device memory: host-resident fp32 state, blocks streamed through the device.
 
     Args:
-        slots: device weight buffers (>= 2). Two double-buffer (copy block i+1 while block i computes);
-            more prefetch deeper, at one block of device memory each.
+        engine: the placement and overlap choices (slots, kept and cached blocks, offloaded inputs, host
+            state, gradient buffers, host threads, overlap): :class:`~megatrain_lightning.config.EngineConfig`,
+            documented there. Default: ``EngineConfig()``.
         block_class: the class (or class name, or several) of the blocks to stream, when automatic
             detection (Hugging Face decoder layers, a ``ModuleList`` of same-class blocks) is not wanted.
         device: the compute device; default: the Trainer's accelerator device (``cuda:0`` or ``cpu``).
-        pin_memory: pin host masters and gradient buffers (exact size, not the caching allocator's
-            power-of-two rounding) for full-speed copies. ``None``: pin when training on CUDA.
-        overlap_optimizer: update each block on the host as soon as its gradients land, while the device
-            runs the rest of the backward, whenever that is exact (see ``_overlap_target``); otherwise the
-            host step follows the backward. Same result either way; the overlap hides most of the host
-            AdamW time (about 0.25 s per billion parameters on 16 cores).
-        overlap_next_forward: with ``overlap_optimizer``, let the updates that the backward did not finish
-            run on into the next step's forward, in the order it needs them: each block waits (on the
-            host) for its own update before its weights go to the device. The host optimizer then has the
-            backward and the next forward to run in, instead of the backward alone; worth most when it is
-            the bottleneck (small models, fast GPUs). Same result. It applies only while nothing but the
-            engine can look at the weights between the steps: no hook of the module between steps
-            (``on_train_batch_end``, ``on_train_epoch_end``, ``on_validation_*``, ...), and no callback
-            there other than Lightning's progress bars, checkpointing, LR monitor, timer, summary, early
-            stopping and throughput monitor, this package's callbacks, or one that declares
-            ``megatrain_reads_weights = False``. Otherwise the step waits for every update, as with
-            ``False``. Checkpoints, validation and ``state_dict()`` always see the finished step.
         meta_init: build what ``configure_model`` creates on the meta device and materialise it block by
             block into the host store (peak host memory: the store plus about one block), initialised by
             the Hugging Face model's ``_init_weights`` or each module's ``reset_parameters()``. Values
             are drawn afresh, so they differ from an eager build with the same seed. Modules built in
             ``__init__`` are real already and are moved into the store as they are.
-        keep_activations: how many of the last blocks keep their activations on the device instead of
-            being recomputed in the backward (and keep their weights on the device for the step). Each
-            costs one block's activations at the micro-batch size (a 7B layer at 16 K tokens: ~3.5 GB)
-            and saves a third of that block's device work plus two weight copies per micro-batch. Spend
-            spare device memory here first; ``python -m megatrain_lightning.plan`` shows how much is spare.
-        kept_saves: what each kept block holds on the device: ``"all"`` (default) its activations as
-            autograd saves them; ``"matmuls"`` its input and its matmul and attention outputs only, the
-            backward recomputing the elementwise ops from them (norms, rotary, activation, residual adds:
-            a few percent of the block's time). A 7B layer then keeps ~12h + 4kv + 4I bytes per token
-            instead of ~30h + 6kv + 8I (121 KB instead of 262 KB), so about twice as many blocks fit.
-        cache_weights: how many of the last blocks keep their compute-dtype weights on the device for
-            the whole optimizer step (at least ``keep_activations``): one host→device copy per step
-            instead of two per micro-batch, at one block of weights each (a 7B layer: 0.47 GB in bf16).
-            Worth it with gradient accumulation, or when host memory bandwidth is short.
-        offload_inputs: keep the recomputed blocks' saved inputs in pinned host memory rather than on the
-            device, so device memory stops growing with depth (one residual-stream activation per block:
-            tokens x hidden x 4 bytes), at the cost of those bytes over the link both ways.
-        host_state: ``"fp32"`` (default): fp32 master, gradient and Adam moments, 16 B/param on the host.
-            ``"compact"``: 12 B/param (8 lasting + the 4 B fp32 gradient) for models whose fp32 state does
-            not fit: the fp32 master is kept exactly as a bf16 high half plus an int16 low half, and Adam's
-            moments are bf16 (stochastically rounded). Costs: the module's parameters (``state_dict()``,
-            checkpoints) are bf16, the exact low halves travel in the optimizer state (``master_low``);
-            Adam/AdamW only. The host step, with the one-pass kernel (``engine/native_adam.c``, built at
-            first use where a C compiler is), is faster per parameter than fp32 state's (1.25x on the
-            16-core H200 host: fewer bytes); without it, chunked torch ops, ~3x slower (0.32x). Halves
-            the host→device weight bytes. Over 200 fine-tuning steps (lr 1e-5) of a tiny Llama its loss
-            is within 0.01% of ``"fp32"``, where plain bf16 masters end 3.3% off (README, "Compact state").
-        grad_buffers: pinned gradient buffers (one block each) lent to blocks whose update overlaps the
-            backward (see ``overlap_optimizer``) when nothing accumulates: such steps keep no full-size fp32
-            gradient accumulator on the host (4 B/param: 30 GB at 7B). After the step those blocks'
-            ``.grad`` are None (their buffers went back to the pool); with accumulation, clipping, or a hook
-            that must see the gradients, each block keeps its own accumulator as before. 0: always. The
-            pool also bounds how far the device runs ahead of the host optimizer, and so how much of its
-            work the next forward can hide: own accumulators are faster when the host is the bottleneck
-            (3B on the H200 host: 1.10 against 1.22 s per step). ``None`` (default): own accumulators when
-            they and the Adam moments fit in the host memory available at setup with a tenth of it to
-            spare, else a pool of 4.
-        host_threads: intra-op threads of the host worker that adds gradients and runs the optimizer.
-            ``None``: torch's default (all cores). Fewer leave cores to the thread that launches the
-            device's work; measured on a 16-core H200 host, 15 made the 3B step slower than 16.
-        bf16_grads: blocks computed in bf16 (``precision="bf16-mixed"``) whose update overlaps the
-            backward with nothing to accumulate send their gradients home in bf16, and the host AdamW
-            widens them: bit for bit the same step (bf16 widens to fp32 exactly), half the device→host
-            bytes and half the pinned gradient memory (3B: 42.6 instead of 47.7 GiB host RSS). ``None``
-            (default): on where the one-pass kernel builds (``engine/native_adam.c``, compiled at first
-            use with the system C compiler and checked bit for bit against torch's fused AdamW), which
-            widens in a register: the host AdamW moves 26 bytes/param instead of 28 and the 3B step on
-            the H200 took 1.003-1.007 s against 1.147-1.180 s with fp32 gradients (same device call).
-            Off without it: widening chunk by chunk is a pass of its own and was slower (1.29 against
-            1.12 s). Those blocks' ``.grad`` stay None after the step.
-        split_embedding_update: update an untied input embedding (7B and larger Qwen2.5/Llama shapes) in
-            two halves: while the backward runs, every row with a zero gradient (an untied table's gradient
-            is zero outside the rows the step looked up: the moments decay, the weight decays); at its end,
-            only the looked-up rows, from their gradients. Bit for bit the whole update, and only a few
-            thousand rows' update left between the backward and the next forward instead of the table's
-            (0.55 B params at 7B: ~0.13 s of host AdamW plus its 2.2 GB copies). Applies with one micro-batch
-            per step, the update overlapping the backward, one lookup per step; a tied head (or any other use
-            of the weight) makes the gradient dense, which a run-time check turns into an error. Not yet
-            measured on a GPU: off by default.
-        checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
-            (a directory of safetensors shards, written a shard at a time and atomically).
-        accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
+        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy. ``checkpoint_io``
+            defaults to :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
+
+    The overlap of the host optimizer (``EngineConfig.overlap_optimizer``) applies when it is exact: one
+    optimizer, automatic optimisation, the last micro-batch of the window, no clipping, Adam on the fast
+    path without step pre-hooks, and no ``on_after_backward``/``on_before_optimizer_step``/``optimizer_step``
+    override. ``overlap_next_forward`` applies only while nothing but the engine can look at the weights
+    between the steps: no hook of the module between steps, and no callback there other than Lightning's
+    progress bars, checkpointing, LR monitor, timer, summary, early stopping and throughput monitor, this
+    package's callbacks, or one that declares ``megatrain_reads_weights = False``. Checkpoints, validation
+    and ``state_dict()`` always see the finished step.
     """
 
     strategy_name = "megatrain"
 
     def __init__(
         self,
-        slots: int = 2,
+        engine: EngineConfig | None = None,
         block_class: type | str | Sequence[type | str] | None = None,
         device: _DEVICE | None = None,
-        pin_memory: bool | None = None,
-        overlap_optimizer: bool = True,
-        overlap_next_forward: bool = True,
         meta_init: bool = True,
-        keep_activations: int = 0,
-        kept_saves: KeptSaves = "all",
-        cache_weights: int = 0,
-        offload_inputs: bool = False,
-        host_state: HostState = "fp32",
-        grad_buffers: int | None = None,
-        host_threads: int | None = None,
-        bf16_grads: bool | None = None,
-        split_embedding_update: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -159,37 +80,29 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # all weights and optimizer state in memory while saving).
         checkpoint_io = ShardedCheckpointIO() if checkpoint_io is None else checkpoint_io
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
-        if slots < 2:
-            raise ValueError(f"slots={slots}: MegaTrainStrategy needs at least 2 device slots to overlap copies")
-        self.slots = slots
+        if engine is not None and not isinstance(engine, EngineConfig):
+            raise TypeError(f"engine={engine!r}: expected an EngineConfig (megatrain_lightning.EngineConfig)")
+        self.config = engine or EngineConfig()
         self.block_class = block_class
-        self.pin_memory = pin_memory
-        self.overlap_optimizer = overlap_optimizer
-        self.overlap_next_forward = overlap_next_forward
         self.meta_init = meta_init
-        if keep_activations < 0 or cache_weights < 0:
-            raise ValueError(f"keep_activations={keep_activations}, cache_weights={cache_weights}: counts of blocks, >= 0")
-        self.keep_activations = keep_activations
-        if kept_saves not in KEPT_SAVES:
-            raise ValueError(f"kept_saves={kept_saves!r}: expected one of {KEPT_SAVES}")
-        self.kept_saves = kept_saves
-        self.cache_weights = cache_weights
-        self.offload_inputs = offload_inputs
-        if host_state not in HOST_STATES:
-            raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
-        self.host_state = host_state
-        if grad_buffers is not None and grad_buffers < 0:
-            raise ValueError(f"grad_buffers={grad_buffers}: a number of pooled gradient buffers, >= 0 (None: automatic)")
-        self.grad_buffers = grad_buffers
-        if host_threads is not None and host_threads < 1:
-            raise ValueError(f"host_threads={host_threads}: a number of threads, >= 1 (None: torch's default)")
-        self.host_threads = host_threads
-        self.bf16_grads = bf16_grads
-        self.split_embedding_update = split_embedding_update
         self._explicit_device = torch.device(device) if device is not None else None
-        self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
+        self._parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
         self.precision_plugin = precision_plugin  # type: ignore[assignment]
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices is not None and len(devices) > 1:
+            raise ValueError(
+                f"MegaTrainStrategy trains on one device; Trainer(devices={len(devices)}) asked for "
+                f"{len(devices)} ({', '.join(str(d) for d in devices)}). Data parallel over several GPUs is not "
+                "available yet: pass devices=1 (and CUDA_VISIBLE_DEVICES or devices=[i] to pick the GPU)."
+            )
+        self._parallel_devices = devices
 
     # ------------------------------------------------------------------ device and precision
     @property
@@ -255,18 +168,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             blocks,
             device=self.root_device,
             compute_dtype=precision.compute_dtype,
-            slots=self.slots,
-            pin_memory=self.pin_memory,
+            config=self.config.for_blocks(len(blocks)),
             init=initializer_for(module),
-            keep_activations=min(self.keep_activations, len(blocks)),
-            kept_saves=self.kept_saves,
-            cache_weights=min(self.cache_weights, len(blocks)),
-            offload_inputs=self.offload_inputs,
-            host_state=self.host_state,
-            grad_buffers=self.grad_buffers,
-            host_threads=self.host_threads,
-            bf16_grads=self.bf16_grads,
-            split_embedding_update=self.split_embedding_update,
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -345,7 +248,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         fast path without step pre-hooks, and no user hook around the step.
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self.overlap_optimizer or trainer is None or len(self.optimizers) != 1:
+        if not self.config.overlap_optimizer or trainer is None or len(self.optimizers) != 1:
             return None
         module = self.lightning_module
         if not module.automatic_optimization or trainer.gradient_clip_val:
@@ -365,7 +268,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """Whether this step's updates may run on into the next forward (``overlap_next_forward``): only
         while no hook of the module, and no callback not known to leave the weights alone, can run
         between the steps."""
-        if not self.overlap_next_forward or not host.can_defer():
+        if not self.config.overlap_next_forward or not host.can_defer():
             return False
         module = self.lightning_module
         assert module is not None

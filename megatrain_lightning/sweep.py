@@ -41,6 +41,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("hardware", "hardware", "{}"),
     ("micro_batch", "micro-batch", "{}"),
     ("seq_len", "seq len", "{}"),
+    ("step_s", "s/step", "{:.4f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("tflops", "TFLOPS", "{:.2f}"),
     ("mfu", "MFU", "{:.1%}"),
@@ -48,6 +49,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("peak_host_rss_gib", "peak host RSS (GiB)", "{:.2f}"),
     ("exact_match", "exact match", "{:.1%}"),
     ("status", "status", "{}"),
+    ("machine", "machine", "{}"),
 )
 
 _OOM = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|MemoryError", re.IGNORECASE)

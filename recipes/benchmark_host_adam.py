@@ -3,9 +3,9 @@
 
 Options: --params (default 64e6), --threads (intra-op threads, 0: torch's default), --repeats, --chunk.
 One flat store of ``--params`` parameters with a full gradient, stepped the way HostOptimizer steps it:
-fp32 state with torch's fused AdamW over the store (``fused_adam_step``); fp32 state from bf16 gradients
+fp32 state with torch's fused AdamW over the store (``adam.step_fp32``); fp32 state from bf16 gradients
 (``bf16_grads=True``) with the one-pass native kernel and with chunk-by-chunk widening; compact state
-(``compact_adam_step``) with the one-pass native kernel and with the chunked torch ops (rebuild fp32
+(``kernels.step_compact``) with the one-pass native kernel and with the chunked torch ops (rebuild fp32
 weights and moments per chunk, the same fused kernel, split and round back), and plain bf16 masters (no
 low half) both ways. Prints G params/s (best of ``--repeats``) for each, and the ratio to fp32.
 Memory: about 30 B/param (both stores and one gradient).
@@ -21,11 +21,11 @@ from unittest import mock
 import torch
 from torch import nn
 
-from megatrain_lightning.engine import host_adam, native_adam
-from megatrain_lightning.engine.host_adam import (
-    AdamHyper, CompactSpan, Piece, compact_adam_step, fused_adam_step, fused_adam_step_half,
-)
-from megatrain_lightning.engine.host_store import FlatStore, PinnedRegistry
+from megatrain_lightning.optim import adam as host_adam
+from megatrain_lightning.optim import native as native_adam
+from megatrain_lightning.optim.adam import AdamHyper, Piece, step_fp32
+from megatrain_lightning.optim.kernels import step_compact as compact_adam_step, step_half as fused_adam_step_half
+from megatrain_lightning.engine.store import FlatStore, PinnedRegistry
 
 HYPER = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
 
@@ -60,26 +60,26 @@ def main() -> None:
     ea, eas = fp32.moment_buffers()
     step = torch.tensor(0.0)
     results["fp32 (torch fused AdamW)"] = _best(
-        lambda: fused_adam_step([fp32.master], [grad], [ea], [eas], [step], HYPER), args.repeats)
+        lambda: (step.add_(1), step_fp32(fp32.master, ea, eas, [Piece(0, n, grad, step)], HYPER)), args.repeats)
 
     # fp32 state from bf16 gradients (bf16_grads=True): the one-pass kernel, and widening chunk by chunk
     grad16 = grad.to(torch.bfloat16)
-    piece = [Piece(0, n, step)]
+    piece = [Piece(0, n, grad16, step)]
     if native_adam.kernel() is not None:
         results["fp32, bf16 grads (one-pass native kernel)"] = _best(
-            lambda: fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER), args.repeats)
+            lambda: (step.add_(1), fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER)), args.repeats)
     else:
         print(f"# one-pass native kernel unavailable: {native_adam.unavailable_reason()}")
     with mock.patch.object(native_adam, "kernel", lambda: None):
         host_adam._scratch.__dict__.clear()
         results["fp32, bf16 grads (widened chunk by chunk)"] = _best(
-            lambda: fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER), args.repeats)
+            lambda: (step.add_(1), fused_adam_step_half(fp32.master, ea, eas, grad16, piece, HYPER)), args.repeats)
 
     def compact_run(compensate: bool, native: bool) -> float:
         store = FlatStore([nn.Parameter(weight.detach().clone())], pins, "compact", compensate=compensate)
         cea, ceas = store.moment_buffers()
         st = torch.tensor(0.0)
-        spans = [CompactSpan(0, n, grad, st)]
+        spans = [Piece(0, n, grad, st)]
 
         def once() -> None:
             st.add_(1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning import EngineConfig, MegaTrainStrategy
 
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -92,7 +92,7 @@ def main(max_steps: int = 150) -> float:
     model = ByteLM()
     loader = DataLoader(Windows(TEXT, 64), batch_size=32, shuffle=True, drop_last=True)
     trainer = pl.Trainer(
-        strategy=MegaTrainStrategy(slots=2),  # 2 device slots: block i+1 copies in while block i computes
+        strategy=MegaTrainStrategy(EngineConfig(slots=2)),  # 2 device slots: block i+1 copies in while block i computes
         accelerator="cuda" if cuda else "cpu",
         devices=1,
         precision="bf16-mixed" if cuda else "32-true",

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from hydra import compose, initialize_config_dir
 
-from megatrain_lightning.plan import plan_from_config
-from megatrain_lightning.planner import GIB
+from megatrain_lightning.conf_dir import config_dir
+from megatrain_lightning.plan import GIB, plan_from_config
 
-CONF = __import__("pathlib").Path(__file__).resolve().parent.parent / "conf"
 COMMON = ["data=synthetic", "hardware=h200", "hardware.host_memory_gb=135", "hardware.slots=3", "data.seq_len=2048"]
 
 
@@ -25,11 +24,11 @@ def _run(model: str, mb: int, acc: int = 1, keep: int = 0, cache: int = 0, chunk
     """Defaults: what the first runs had (every block its own fp32 accumulator, the host step finished
     before the next forward); the later runs name their pool, run-on and kept_saves."""
     over = [f"model={model}", f"data.batch_size={mb}", f"trainer.accumulate_grad_batches={acc}",
-            f"strategy.keep_activations={keep}", f"strategy.cache_weights={cache}",
-            f"strategy.offload_inputs={offload}", f"model.loss_chunk_tokens={chunk if chunk else 'null'}",
-            f"strategy.grad_buffers={grad_buffers}", f"strategy.overlap_next_forward={run_on}",
-            f"strategy.kept_saves={kept_saves}", f"strategy.host_state={host_state}",
-            f"strategy.bf16_grads={bf16_grads}"]
+            f"strategy.engine.keep_activations={keep}", f"strategy.engine.cache_weights={cache}",
+            f"strategy.engine.offload_inputs={offload}", f"model.loss_chunk_tokens={chunk if chunk else 'null'}",
+            f"strategy.engine.grad_buffers={grad_buffers}", f"strategy.engine.overlap_next_forward={run_on}",
+            f"strategy.engine.kept_saves={kept_saves}", f"strategy.engine.host_state={host_state}",
+            f"strategy.engine.bf16_grads={bf16_grads}"]
     if layers:
         over.append(f"model.config.num_hidden_layers={layers}")
     if host_gb:
@@ -84,11 +83,11 @@ def main() -> None:
     print("| run | quantity | predicted | measured | error |")
     print("| --- | --- | --- | --- | --- |")
     for name, (over, step, alloc, reserved, rss) in RUNS.items():
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=COMMON + over)
         # the code each run measured: the untied head's update in the backward only in those named so, the
         # one-pass compact kernel likewise
-        plan = plan_from_config(cfg, head_in_backward="head in backward" in name,
+        plan = plan_from_config(cfg, refuse_device=False, head_in_backward="head in backward" in name,
                                 compact_native="one-pass compact kernel" in name)
         for q, pred, meas, unit in (
             ("step time", plan.step_s, step, "s"),

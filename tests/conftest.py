@@ -118,14 +118,24 @@ def resolve_strategy(spec: StrategySpec) -> Any:
 
 
 def megatrain(**kwargs: Any) -> Callable[[], Any]:
-    """A StrategySpec building `megatrain_lightning.MegaTrainStrategy(**kwargs)` per Trainer."""
+    """A StrategySpec building `MegaTrainStrategy` per Trainer: `EngineConfig` fields among `kwargs` go
+    into its `engine` config, the rest to the strategy itself."""
 
     def build() -> Any:
-        import megatrain_lightning
-
-        return megatrain_lightning.MegaTrainStrategy(**kwargs)
+        return strategy_of(**kwargs)
 
     return build
+
+
+def strategy_of(**kwargs: Any) -> Any:
+    """`MegaTrainStrategy(engine=EngineConfig(<its fields in kwargs>), <the other kwargs>)`."""
+    import dataclasses
+
+    import megatrain_lightning
+
+    fields = {f.name for f in dataclasses.fields(megatrain_lightning.EngineConfig)}
+    engine = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    return megatrain_lightning.MegaTrainStrategy(engine=megatrain_lightning.EngineConfig(**engine), **kwargs)
 
 
 def _clone_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 A block computed in bf16 has bf16 gradients. When its update overlaps the backward and nothing
 accumulates, they travel to the host as they are and the host AdamW widens them: in a register, with the
-one-pass kernel (``engine/native_adam.c``), or chunk by chunk into scratch without it
-(``host_adam.fused_adam_step_half``); both paths are tested. Widening bf16 to fp32 is exact and both
+one-pass kernel (``optim/native_adam.c``), or chunk by chunk into scratch without it
+(``optim/adam.step_half_chunked``); both paths are tested. Widening bf16 to fp32 is exact and both
 take the same elementwise arithmetic per element as a whole-parameter call, so the training run must
 equal the one with ``bf16_grads=False`` (gradients widened on the device, fp32 on the host) bit for bit:
 every loss and every weight. Tiny chunks make pieces of one parameter fall into several chunks.
@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from megatrain_lightning.engine import host_adam, native_adam
+from megatrain_lightning.optim import adam as host_adam
+from megatrain_lightning.optim import native as native_adam
 
 from conftest import fit, megatrain
 from zoo import TinyLlama, TinyQwen2
@@ -39,8 +40,8 @@ class EngineProbe(pl.Callback):
     megatrain_reads_weights = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        grads = trainer.strategy.engine.grads
-        self.half_sent, self.lent = grads.half_sent, grads.lent
+        stats = trainer.strategy.engine.stats
+        self.half_sent, self.lent = stats.half_sent, stats.grads_lent
 
 
 def _run(factory: Any, bf16_grads: bool, **strategy: Any) -> tuple[Any, EngineProbe]:
@@ -109,10 +110,11 @@ def test_bf16_path_leaves_no_grad_and_fp32_runs_do_not_take_it(monkeypatch: pyte
 
 
 def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
-    """``fused_adam_step_half`` against ``fused_adam_step`` on widened gradients, bit for bit, with
-    parameter sizes that are not multiples of 16 (vector tails) and chunks that cut parameters."""
-    from megatrain_lightning.engine.host_adam import AdamHyper, Piece, fused_adam_step, fused_adam_step_half
-    from megatrain_lightning.engine.host_store import FlatLayout
+    """The bf16-gradient update (one-pass kernel, or chunked widening) against ``step_fp32`` on widened
+    gradients, bit for bit, with parameter sizes that are not multiples of 16 (vector tails) and chunks
+    that cut parameters."""
+    from megatrain_lightning.engine.store import FlatLayout
+    from megatrain_lightning.optim.adam import AdamHyper, Piece, step_fp32, step_half_chunked
 
     g = torch.Generator().manual_seed(0)
     shapes = [(37,), (5, 19), (64,), (3,), (130, 7)]
@@ -138,17 +140,21 @@ def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
 
     ref_master, ref_m, ref_v = state()
-    steps = [torch.tensor(3.0) for _ in params]
-    fused_adam_step(
-        layout.views(ref_master), [x.float() for x in layout.views(grad16)], layout.views(ref_m), layout.views(ref_v), steps, hyper
-    )
+    steps = [torch.tensor(4.0) for _ in params]  # incremented already, as the caller does
+    wide = grad16.float()
+    step_fp32(ref_master, ref_m, ref_v, [Piece(o, o + p.numel(), wide[o : o + p.numel()], s)
+                                          for o, p, s in zip(layout.offsets, params, steps)], hyper)
     for chunk in (16, 48, 1 << 20):
         host_adam.CHUNK_ELEMS = chunk
         try:
             master, m, v = state()
             steps = [torch.tensor(4.0) for _ in params]  # incremented already, as the caller does
-            pieces = [Piece(o, o + p.numel(), s) for o, p, s in zip(layout.offsets, params, steps)]
-            fused_adam_step_half(master, m, v, grad16, pieces, hyper)
+            pieces = [Piece(o, o + p.numel(), grad16[o : o + p.numel()], s) for o, p, s in zip(layout.offsets, params, steps)]
+            kernel = native_adam.kernel()
+            if kernel is not None:
+                kernel.step(master, m, v, grad16, pieces, hyper)
+            else:
+                step_half_chunked(master, m, v, pieces, hyper)
         finally:
             host_adam.CHUNK_ELEMS = None
         assert torch.equal(master, ref_master) and torch.equal(m, ref_m) and torch.equal(v, ref_v), chunk

@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.engine import pipeline
-from megatrain_lightning.engine.host_adam import AdamHyper, CompactSpan, compact_adam_step
-from megatrain_lightning.engine.host_store import FlatStore, PinnedRegistry, join_fp32, split_fp32
+from megatrain_lightning.engine import materialize
+from megatrain_lightning.engine.store import FlatStore, PinnedRegistry, join_fp32, split_fp32
+from megatrain_lightning.optim.adam import AdamHyper, Piece
+from megatrain_lightning.optim.kernels import step_compact as compact_adam_step
+from conftest import strategy_of
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -83,7 +85,7 @@ def _fit(host_state: str, steps: int, ckpt_path: str | None = None, callbacks: t
     module = TinyLlamaLM(**module_kw)
     record = Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=MegaTrainStrategy(host_state=host_state), max_steps=steps,
+        accelerator="cpu", devices=1, strategy=strategy_of(host_state=host_state), max_steps=steps,
         max_epochs=max_epochs, logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
         enable_model_summary=False, callbacks=[record, *callbacks],
     )
@@ -152,7 +154,7 @@ def test_compact_update_is_fp32_adamw_on_the_weights() -> None:
     ea, eas = store.moment_buffers()
     step = torch.tensor(1.0)
     hyper = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
-    compact_adam_step(store.master, store.master_low, ea, eas, [CompactSpan(0, 300_000, grad, step)], hyper)
+    compact_adam_step(store.master, store.master_low, ea, eas, [Piece(0, 300_000, grad, step)], hyper)
     ref = nn.Parameter(w.clone())
     opt = torch.optim.AdamW([ref], lr=1e-5, weight_decay=0.01, fused=True)
     ref.grad = grad.clone()
@@ -164,7 +166,7 @@ def test_compact_update_is_fp32_adamw_on_the_weights() -> None:
 def test_compact_update_does_not_depend_on_the_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunk size follows the thread count; the result (stochastic rounding of the moments included)
     must not, or a run resumed on another machine would round differently."""
-    from megatrain_lightning.engine import host_adam
+    from megatrain_lightning.optim import adam as host_adam
 
     torch.manual_seed(0)
     n = 100_003
@@ -178,7 +180,7 @@ def test_compact_update_does_not_depend_on_the_chunking(monkeypatch: pytest.Monk
         step = torch.tensor(0.0)
         for g in grads:
             step += 1
-            compact_adam_step(store.master, store.master_low, ea, eas, [CompactSpan(0, n, g, step)], hyper)
+            compact_adam_step(store.master, store.master_low, ea, eas, [Piece(0, n, g, step)], hyper)
         results.append((store.master_fp32()[:n].clone(), ea[:n].clone(), eas[:n].clone()))
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -187,7 +189,7 @@ def test_compact_update_does_not_depend_on_the_chunking(monkeypatch: pytest.Monk
 
 class SlotProbe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.staging = trainer.strategy.engine.slots.staging
+        self.staging = trainer.strategy.engine.weights.slots.staging
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
@@ -197,7 +199,7 @@ def test_compact_state_with_clipping_and_accumulation(precision: str) -> None:
     L.seed_everything(0, verbose=False)
     module, probe, record = TinyLlamaLM(lr=1e-3, n_rows=32), SlotProbe(), Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=MegaTrainStrategy(host_state="compact"), precision=precision,
+        accelerator="cpu", devices=1, strategy=strategy_of(host_state="compact"), precision=precision,
         max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[record, probe],
     )
@@ -221,7 +223,7 @@ def test_compact_state_loss_within_1_percent_of_fp32_where_plain_bf16_is_not(mon
     from 4.8716 at the first step (README, "Compact state")."""
     a = _fit("fp32", steps=200, lr=FINETUNE_LR)[2].losses
     b = _fit("compact", steps=200, lr=FINETUNE_LR)[2].losses
-    monkeypatch.setattr(pipeline, "FlatStore", functools.partial(FlatStore, compensate=False))
+    monkeypatch.setattr(materialize, "FlatStore", functools.partial(FlatStore, compensate=False))
     c = _fit("compact", steps=200, lr=FINETUNE_LR)[2].losses
     fa, fb, fc = (sum(x[-20:]) / 20 for x in (a, b, c))
     print(f"\nfinal loss (mean of last 20 of 200): fp32 {fa:.5f}, compact {fb:.5f} ({(fb - fa) / fa:+.3%}), "
@@ -273,26 +275,29 @@ def test_unsupported_optimizer_is_refused_with_what_to_use(optimizer: str) -> No
 
 def test_unknown_host_state_is_refused() -> None:
     with pytest.raises(ValueError, match=r"host_state='bf16'.*'fp32', 'compact'"):
-        MegaTrainStrategy(host_state="bf16")  # type: ignore[arg-type]
+        strategy_of(host_state="bf16")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ planner
 def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> None:
     import dataclasses
 
-    from megatrain_lightning.plan import check_fits, state_bytes_per_param
-    from megatrain_lightning.planner import PlanShape, RunSettings, host_bytes, pinned_bytes, step_times
+    from megatrain_lightning.config import EngineConfig
     from megatrain_lightning.hardware import HardwareProfile
+    from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan
+    from megatrain_lightning.plan.memory import host_bytes, pinned_bytes
+    from megatrain_lightning.plan.timing import COMPACT_ADAM_SPEED, COMPACT_ADAM_SPEED_CHUNKED, step_times
 
     shape = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
                       layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
-    fp32 = RunSettings(micro_batch=2, seq_len=3, grad_buffers=0)  # every block its own fp32 gradient buffer
-    compact = dataclasses.replace(fp32, compact_state=True)
+    # every block its own fp32 gradient buffer
+    fp32 = Run(Workload(micro_batch=2, seq_len=3), EngineConfig(grad_buffers=0, bf16_grads=False))
+    compact = fp32.replace(host_state="compact")
     assert list(host_bytes(shape, compact).values())[:3] == [4000, 4000, 4000]  # master halves, grad, moments
     # bf16 gradients (bf16_grads=True): the blocks' own buffers hold 2 B/param, the resident store's still 4
-    assert list(host_bytes(shape, dataclasses.replace(compact, bf16_grads=True)).values())[1] == 2 * 600 + 4 * 400
+    assert list(host_bytes(shape, compact.replace(bf16_grads=True)).values())[1] == 2 * 600 + 4 * 400
     # pooled gradient buffers (the default when nothing accumulates): 2 blocks' worth + the larger resident store
-    pooled = dataclasses.replace(compact, grad_buffers=2)
+    pooled = compact.replace(grad_buffers=2)
     assert list(host_bytes(shape, pooled).values())[:3] == [4000, 4 * (2 * 300 + 400), 4000]
     assert sum(list(host_bytes(shape, fp32).values())[:3]) == 16000
     assert pinned_bytes(shape, compact) == 6000  # the bf16 halves and the gradients
@@ -302,13 +307,14 @@ def test_planner_counts_12_bytes_per_parameter_and_half_the_weight_copies() -> N
     h2d = step_times(shape, compact, hw)["host->device copies"] / step_times(shape, fp32, hw)["host->device copies"]
     assert 0.5 < h2d < 1  # block weights at 2 B instead of 4; resident ones still 4
     # the host AdamW at the measured speed of the one-pass compact kernel, or of the chunked torch ops
-    from megatrain_lightning.planner import COMPACT_ADAM_SPEED, COMPACT_ADAM_SPEED_CHUNKED
-
     adam = {s: step_times(shape, dataclasses.replace(compact, compact_native=s), hw)["host optimizer"] for s in (True, False)}
     assert adam[False] / adam[True] == pytest.approx(COMPACT_ADAM_SPEED / COMPACT_ADAM_SPEED_CHUNKED)
     assert adam[True] < step_times(shape, fp32, hw)["host optimizer"] < adam[False]  # 1.25x and 0.32x of fp32
-    assert state_bytes_per_param("compact") == 12 and state_bytes_per_param(None) == 16
-    assert state_bytes_per_param("compact", pooled_grads=True) == 8 and state_bytes_per_param("fp32", True) == 12
-    assert check_fits(10**9, 12.0, state_bytes=12) == 12 * 10**9
-    with pytest.raises(Exception, match=r"12 B/param: compact master"):
-        check_fits(10**9, 11.9, state_bytes=12)
+    # the fit check counts 12 B/param of compact state and names compact as the fix only for fp32 runs
+    need = sum(host_bytes(shape, compact).values())
+    assert make_plan(shape, compact, dataclasses.replace(hw, host_memory_gb=need / 1e9)).host_total == need
+    with pytest.raises(Exception, match=r"needs .* GB of host memory") as err:
+        make_plan(shape, compact, dataclasses.replace(hw, host_memory_gb=need / 1e9 * 0.99))
+    assert "host_state=compact" not in str(err.value)
+    with pytest.raises(Exception, match=r"strategy.engine.host_state=compact"):
+        make_plan(shape, fp32, dataclasses.replace(hw, host_memory_gb=need / 1e9))

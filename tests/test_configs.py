@@ -18,7 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megatrain_lightning import cli
 from megatrain_lightning.errors import ConfigError
-from megatrain_lightning.hardware import HardwareProfile
+from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 YAMLS = sorted(p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml"))
@@ -86,7 +86,7 @@ def test_every_yaml_composes_and_resolves(rel: str) -> None:
     if rel.endswith("default.yaml") and rel.startswith(("model/", "hardware/")):
         return  # abstract bases: their `???` fields are filled by the variants
     if rel == "hardware/auto.yaml":
-        cli.resolve_hardware(cfg)
+        resolve_hardware(cfg)
     own = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's node is Hydra's to resolve
     OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
 
@@ -128,7 +128,7 @@ def test_hardware_profiles_instantiate() -> None:
     for rel in YAMLS:
         if rel.startswith("hardware/") and rel != "hardware/default.yaml":
             cfg = compose_train(*overrides_for(rel))
-            hw = cli.resolve_hardware(cfg)
+            hw = resolve_hardware(cfg)
             assert isinstance(hw, HardwareProfile)
             assert hw.host_memory_gb > 0 and hw.device_memory_gb > 0 and hw.peak_bf16_tflops > 0
             assert hw.slots >= 2 and hw.micro_batch >= 1 and hw.seq_len >= 1
@@ -138,9 +138,13 @@ def test_hardware_profiles_instantiate() -> None:
 @pytest.mark.parametrize("strategy", ["megatrain", "single_device", "fsdp_cpu_offload"])
 def test_strategies_instantiate(strategy: str) -> None:
     cfg = compose_train(f"strategy={strategy}", "hardware=cpu")
-    hw = cli.resolve_hardware(cfg)
-    built = cli.build_strategy(cfg.strategy, hw, num_params=1000)
+    hw = resolve_hardware(cfg)
+    built = cli.build_strategy(cfg.strategy, hw, plan=None)
     assert type(built).__name__ == cfg.strategy._target_.rsplit(".", 1)[-1]
+    if strategy == "megatrain":  # the engine node became the strategy's typed config
+        from megatrain_lightning import EngineConfig
+
+        assert isinstance(built.config, EngineConfig) and built.config.slots == hw.slots
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed")

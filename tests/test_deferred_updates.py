@@ -25,8 +25,8 @@ import torch
 from conftest import assert_parity, fit, megatrain
 from megatrain_lightning.engine import RESIDENT, RESIDENT_AFTER
 from megatrain_lightning.engine.host_worker import HostWorker
-from megatrain_lightning.engine.pipeline import StreamingEngine
-from megatrain_lightning.optim import HostOptimizer, StoreUpdate
+from megatrain_lightning.engine import StreamingEngine
+from megatrain_lightning.optim import StoreUpdate
 from zoo import ZOO
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -40,16 +40,14 @@ class Timeline:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.events: list[tuple[str, int, float]] = []  # (what, key, time)
         self.lock = threading.Lock()
-        step_range, acquire = HostOptimizer._step_range, StreamingEngine.acquire
+        update_store, acquire = StoreUpdate.__call__, StreamingEngine.acquire
         timeline = self
         self.engine: StreamingEngine | None = None
 
-        def slow_step_range(host: HostOptimizer, r: Any, hyper: Any) -> None:
-            if threading.current_thread() is not threading.main_thread():
-                time.sleep(SLOW)
-            step_range(host, r, hyper)
-            if threading.current_thread() is not threading.main_thread():
-                timeline.log("update", timeline.key_of(r.store))
+        def slow_update(update: StoreUpdate, store: Any) -> None:  # on the host worker
+            time.sleep(SLOW)
+            update_store(update, store)
+            timeline.log("update", timeline.key_of(store))
 
         def logged_acquire(engine: StreamingEngine, block: int) -> Any:
             timeline.engine = engine
@@ -57,22 +55,13 @@ class Timeline:
             timeline.log("acquire", block)
             return out
 
-        def slow_range(update: StoreUpdate, store: Any, lo: int, hi: int) -> None:  # the resident part's, by ranges
-            if lo == 0:
-                time.sleep(SLOW)
-            update_range(update, store, lo, hi)
-            if hi == store.numel:
-                timeline.log("update", timeline.key_of(store))
-
-        update_range = StoreUpdate.range
-        monkeypatch.setattr(HostOptimizer, "_step_range", slow_step_range)
-        monkeypatch.setattr(StoreUpdate, "range", slow_range)
+        monkeypatch.setattr(StoreUpdate, "__call__", slow_update)
         monkeypatch.setattr(StreamingEngine, "acquire", logged_acquire)
 
     def key_of(self, store: Any) -> int:
         """The store's place in the next forward: -1 before the blocks, the block index, or after them."""
         assert self.engine is not None
-        for part in self.engine.resident_parts:
+        for part in self.engine.resident.parts:
             if store is part.store:
                 return RESIDENT if part.key == RESIDENT else len(self.engine.stores)
         return self.engine.stores.index(store)
@@ -97,7 +86,7 @@ def test_updates_run_earliest_deadline_first_into_the_next_forward_exactly(monke
     engine = timeline.engine
     assert engine is not None
     n_blocks = len(engine.stores)
-    assert [part.key for part in engine.resident_parts] == [RESIDENT, RESIDENT_AFTER]  # untied head: two parts
+    assert [part.key for part in engine.resident.parts] == [RESIDENT, RESIDENT_AFTER]  # untied head: two parts
     per_step = n_blocks + 2
     updates = timeline.updates()
     assert len(updates) == 3 * per_step
@@ -117,7 +106,7 @@ def test_updates_run_earliest_deadline_first_into_the_next_forward_exactly(monke
     # acquisitions of block 0 per step: the forward's, then the recompute's (it is not kept)
     second_forward = forward_acquires[2]
     assert second_forward < last_update_of_step_1
-    assert engine.update_wait_s >= SLOW  # and the forward waited for updates, as its diagnostics count
+    assert engine.stats.update_wait_s >= SLOW  # and the forward waited for updates, as its diagnostics count
 
 
 def test_host_worker_runs_the_lowest_priority_first_and_fifo_among_equals() -> None:
@@ -170,7 +159,7 @@ class HookedLlama(ZOO["llama"]):  # type: ignore[misc, valid-type]
     """A module hook between steps: it may read the weights, so the step must be finished by then."""
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        pending = self.trainer.strategy.engine.grads.updates
+        pending = self.trainer.strategy.engine.updates._all
         self.pending_seen = getattr(self, "pending_seen", 0) + len(pending)
 
 
@@ -182,7 +171,7 @@ class PendingProbe(L.Callback):
         self.states: list[dict[str, torch.Tensor]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        self.pending.append(sum(not f.done() for f in trainer.strategy.engine.grads.updates))
+        self.pending.append(sum(not f.done() for f in trainer.strategy.engine.updates._all))
         if self.megatrain_reads_weights is False:
             # through the strategy: it waits for the updates still running
             state = trainer.strategy.lightning_module_state_dict()
@@ -256,7 +245,7 @@ class UpdateListProbe(L.Callback):
         self.sizes: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.sizes.append(len(trainer.strategy.engine.grads.updates))
+        self.sizes.append(len(trainer.strategy.engine.updates._all))
 
 
 def test_finished_updates_are_not_kept_over_a_long_run() -> None:

@@ -12,7 +12,7 @@ from functools import partial
 import lightning as L
 import pytest
 
-from conftest import assert_parity, fit, megatrain
+from conftest import strategy_of, assert_parity, fit, megatrain
 from megatrain_lightning import MegaTrainStrategy
 from test_streaming import HooklessNet, _loader, _trainer
 from zoo import ZOO
@@ -30,7 +30,7 @@ class PoolProbe(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         engine = trainer.strategy.engine
         owns = [s.grad is not None for s in engine.stores]
-        self.rows.append((owns, engine.grads.lent, engine.grads.pool_made))
+        self.rows.append((owns, engine.stats.grads_lent, engine.grads.pool_made))
         self.block_grads_after_step = [p.grad is not None for s in engine.stores for p in s.params]
 
 
@@ -52,7 +52,7 @@ def test_parity_with_pooled_gradients(buffers: int) -> None:
 def test_no_block_keeps_a_gradient_buffer_when_nothing_accumulates() -> None:
     depth = 5
     probe = PoolProbe()
-    _trainer(MegaTrainStrategy(grad_buffers=2), max_steps=3, callbacks=[probe]).fit(HooklessNet(depth=depth), _loader())
+    _trainer(strategy_of(grad_buffers=2), max_steps=3, callbacks=[probe]).fit(HooklessNet(depth=depth), _loader())
     # every block borrowed, every step, and both resident stores (input layer, output layer: smaller than a block)
     assert [row[1] for row in probe.rows] == [depth + 2, 2 * (depth + 2), 3 * (depth + 2)]
     for owns, _, made in probe.rows:
@@ -66,7 +66,7 @@ def test_no_block_keeps_a_gradient_buffer_when_nothing_accumulates() -> None:
 def test_blocks_keep_their_own_accumulator_otherwise(kwargs: dict) -> None:
     buffers = kwargs.pop("grad_buffers", 4)
     probe = PoolProbe()
-    _trainer(MegaTrainStrategy(grad_buffers=buffers), max_steps=2, callbacks=[probe], **kwargs).fit(HooklessNet(depth=3), _loader())
+    _trainer(strategy_of(grad_buffers=buffers), max_steps=2, callbacks=[probe], **kwargs).fit(HooklessNet(depth=3), _loader())
     assert all(row[1] == 0 for row in probe.rows)  # nothing lent
     assert probe.rows[-1][0] == [True] * 3
     assert all(probe.block_grads_after_step)
@@ -74,25 +74,22 @@ def test_blocks_keep_their_own_accumulator_otherwise(kwargs: dict) -> None:
 
 def test_negative_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="grad_buffers"):
-        MegaTrainStrategy(grad_buffers=-1)
+        strategy_of(grad_buffers=-1)
 
 
 def test_automatic_choice_takes_own_accumulators_when_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """grad_buffers=None (the default): own accumulators (faster when the host optimizer is the bottleneck)
     if they and the Adam moments fit in the host memory available, else a pool of 4."""
-    from types import SimpleNamespace
+    from megatrain_lightning import host_memory
+    from megatrain_lightning.config import AUTO_POOL, grad_buffers_for
 
-    import torch
-
-    from megatrain_lightning.engine import pipeline
-
-    small = SimpleNamespace(numel=1000, grad=None, exp_avg=None, dtype=torch.float32)
-    huge = SimpleNamespace(numel=10**14, grad=None, exp_avg=None, dtype=torch.float32)  # 1.2 PB of state
-    assert pipeline._accumulators_fit([small]) and not pipeline._accumulators_fit([small, huge])
+    assert grad_buffers_for(None, 89, 100) == 0 and grad_buffers_for(None, 91, 100) == AUTO_POOL
+    assert grad_buffers_for(3, 10**15, 100) == 3  # an explicit count wins
     chosen = {}
-    for fits in (True, False):
-        monkeypatch.setattr(pipeline, "_accumulators_fit", lambda stores, fits=fits: fits)
+    for total in (10**15, 10**3):  # a host that holds everything easily; one where nothing fits
+        monkeypatch.setattr(host_memory, "total_bytes", lambda total=total: total)
+        monkeypatch.setattr(host_memory, "available_bytes", lambda total=total: total)
         probe = PoolProbe()
         _trainer(MegaTrainStrategy(), max_steps=1, callbacks=[probe]).fit(HooklessNet(depth=3), _loader())
-        chosen[fits] = probe.rows[-1][1]  # buffers lent in the step
+        chosen[total > 10**6] = probe.rows[-1][1]  # buffers lent in the step
     assert chosen == {True: 0, False: 3 + 2}  # own accumulators; else every store borrowed

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import megatrain, run_parity
+from conftest import strategy_of, megatrain, run_parity
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.engine import RESIDENT, StreamingEngine
 from test_streaming import BlockNet, CountingProbe, _loader, _trainer
 from zoo import ZOO
@@ -62,7 +63,7 @@ def test_kept_blocks_are_not_recomputed_and_cached_blocks_copied_once_per_step()
     depth = 5
     module = BlockNet(depth=depth)
     probe = CountingProbe()
-    strategy = MegaTrainStrategy(slots=2, keep_activations=2, cache_weights=3)
+    strategy = strategy_of(slots=2, keep_activations=2, cache_weights=3)
     _trainer(strategy, max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, _loader())
     assert len(probe.rows) == 4
     for micro, (h2d, reused, d2h) in enumerate(probe.rows):
@@ -89,14 +90,14 @@ class InspectingNet(BlockNet):
     def training_step(self, batch, _):
         loss = super().training_step(batch, _)
         engine = self.trainer.strategy.engine
-        offloaded = sum(1 for s in engine._stashes if s.host and all(t is None for t in (s.tensors[i] for i in s.host)))
-        self.seen.append((len(engine._stashes), offloaded))
+        offloaded = sum(1 for s in engine.offload.stashes if s.host and all(t is None for t in (s.tensors[i] for i in s.host)))
+        self.seen.append((len(engine.offload.stashes), offloaded))
         return loss
 
 
 def test_offloaded_inputs_leave_the_device_between_forward_and_backward() -> None:
     module = InspectingNet()
-    _trainer(MegaTrainStrategy(offload_inputs=True, keep_activations=1), max_steps=2).fit(module, _loader())
+    _trainer(strategy_of(offload_inputs=True, keep_activations=1), max_steps=2).fit(module, _loader())
     # 4 blocks, the last one kept: three saved inputs went to host memory, none is held on the device
     assert module.seen == [(3, 3), (3, 3)]
 
@@ -109,11 +110,11 @@ def test_without_offload_inputs_stay_where_they_are() -> None:
 
 def test_counts_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError, match="keep_activations"):
-        MegaTrainStrategy(keep_activations=-1)
+        strategy_of(keep_activations=-1)
     blocks = [torch.nn.Linear(2, 2) for _ in range(3)]
     root = torch.nn.Sequential(*blocks)
     with pytest.raises(ValueError, match="cache_weights=4"):
-        StreamingEngine(root, blocks, torch.device("cpu"), cache_weights=4)
+        StreamingEngine(root, blocks, torch.device("cpu"), config=EngineConfig(cache_weights=4))
 
 
 def test_offloaded_inputs_are_not_held_by_the_graph() -> None:
@@ -121,11 +122,12 @@ def test_offloaded_inputs_are_not_held_by_the_graph() -> None:
     import gc
     import weakref
 
-    from megatrain_lightning.engine.pipeline import StreamingEngine
+    from megatrain_lightning.config import EngineConfig
+    from megatrain_lightning.engine import StreamingEngine
 
     torch.manual_seed(0)
     module = BlockNet(depth=3)
-    engine = StreamingEngine(module, list(module.blocks), torch.device("cpu"), offload_inputs=True)
+    engine = StreamingEngine(module, list(module.blocks), torch.device("cpu"), config=EngineConfig(offload_inputs=True))
     inputs: list[weakref.ref] = []
     hooks = [b.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0]))) for b in module.blocks]
     try:
@@ -174,7 +176,7 @@ def test_kept_blocks_saving_matmuls_recompute_elementwise_ops_only(depth: int) -
     for name, kw in {"recomputed": {}, "kept": dict(keep_activations=depth),
                      "kept-matmuls": dict(keep_activations=depth, kept_saves="matmuls")}.items():
         probe = OpCounter()
-        _trainer(MegaTrainStrategy(**kw), max_steps=1, callbacks=[probe]).fit(BlockNet(depth=depth), _loader())
+        _trainer(strategy_of(**kw), max_steps=1, callbacks=[probe]).fit(BlockNet(depth=depth), _loader())
         seen[name] = probe.counts
     aten = torch.ops.aten
     linear = lambda c: c[aten.addmm.default] + c[aten.mm.default]  # noqa: E731
@@ -187,4 +189,4 @@ def test_kept_blocks_saving_matmuls_recompute_elementwise_ops_only(depth: int) -
 
 def test_unknown_kept_saves_is_refused() -> None:
     with pytest.raises(ValueError, match="kept_saves"):
-        MegaTrainStrategy(kept_saves="some")
+        strategy_of(kept_saves="some")

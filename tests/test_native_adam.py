@@ -1,4 +1,4 @@
-"""The one-pass Adam(W) for bf16 gradients (``engine/native_adam.c``), built at first use.
+"""The one-pass Adam(W) for bf16 gradients (``optim/native_adam.c``), built at first use.
 
 It must be torch's fused AdamW on the widened gradients bit for bit (the bf16-gradient path trains exactly
 like the fp32 one: tests/test_bf16_grads.py), across parameters with vector tails, gaps between them,
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_lightning.engine import native_adam
-from megatrain_lightning.engine.host_adam import AdamHyper, Piece, adam_kernel
+from megatrain_lightning.optim import native as native_adam
+from megatrain_lightning.optim.adam import AdamHyper, Piece, adam_kernel
 
 HYPERS = [
     AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False),
@@ -60,7 +60,7 @@ def test_kernel_equals_torch_fused_adamw_bit_for_bit(hyper: AdamHyper) -> None:
     g32 = grad.float()
     adam_kernel(views[0], [g32[o : o + n] for o, n in zip(offsets, sizes)], views[1], views[2], steps, hyper)
     before = p.clone()
-    k.step(p, m, v, grad, [Piece(o, o + n, s) for o, n, s in zip(offsets, sizes, steps)], hyper, threads=2)
+    k.step(p, m, v, grad, [Piece(o, o + n, grad[o : o + n], s) for o, n, s in zip(offsets, sizes, steps)], hyper, threads=2)
     for name, got, want in zip(("weights", "exp_avg", "exp_avg_sq"), (p, m, v), ref):
         bad = (got != want).nonzero().flatten()
         assert bad.numel() == 0, f"{name}: {bad.numel()} elements differ from torch's kernel, first at {bad[:5].tolist()}"
@@ -121,7 +121,7 @@ def test_a_failing_build_leaves_no_library_behind(fresh_kernel: Path, monkeypatc
 
 # ------------------------------------------------------------------------------------------ compact state
 def _compact_state(n: int, seed: int, with_low: bool) -> list:
-    from megatrain_lightning.engine.host_store import split_fp32
+    from megatrain_lightning.engine.store import split_fp32
 
     g = torch.Generator().manual_seed(seed)
     hi = torch.empty(n, dtype=torch.bfloat16)
@@ -138,8 +138,8 @@ def test_compact_kernel_equals_the_chunked_torch_path(with_low: bool, grad_dtype
     """``compact_adam_step`` with the one-pass kernel against its chunked torch path, bit for bit: weights
     (both halves) and the stochastically rounded moments, over three steps, with spans of odd lengths,
     gaps, a span whose dither indices wrap around the table's period, and two threads."""
-    from megatrain_lightning.engine import host_adam
-    from megatrain_lightning.engine.host_adam import CompactSpan, compact_adam_step
+    from megatrain_lightning.optim import compact as host_adam
+    from megatrain_lightning.optim.kernels import step_compact as compact_adam_step
 
     k = native_adam.kernel()
     assert k is not None and k.compact, native_adam.unavailable_reason()
@@ -151,7 +151,7 @@ def test_compact_kernel_equals_the_chunked_torch_path(with_low: bool, grad_dtype
     g = torch.Generator().manual_seed(5)
     grads = [(torch.randn(pos, generator=g) * 1e-3).to(grad_dtype) for _ in range(3)]
     # a first step whose dither offset puts the period's end inside the first span
-    first = next(s for s in range(1, 10_000) if host_adam._DITHER_P - 120_000 < s * host_adam._DITHER_STEP % host_adam._DITHER_P < host_adam._DITHER_P - 30_000)
+    first = next(s for s in range(1, 10_000) if host_adam.DITHER_P - 120_000 < s * host_adam.DITHER_STEP % host_adam.DITHER_P < host_adam.DITHER_P - 30_000)
     hyper = HYPERS[0] if with_low else HYPERS[1]
 
     def train(native: bool) -> list:
@@ -162,7 +162,7 @@ def test_compact_kernel_equals_the_chunked_torch_path(with_low: bool, grad_dtype
             mp.setattr(torch, "get_num_threads", lambda: 2)
             for i, grad in enumerate(grads):
                 step = torch.tensor(float(first + i))
-                spans = [CompactSpan(o, o + n, grad[o : o + n], step) for o, n in zip(offsets, sizes)]
+                spans = [Piece(o, o + n, grad[o : o + n], step) for o, n in zip(offsets, sizes)]
                 compact_adam_step(*state, spans, hyper)
         return state
 

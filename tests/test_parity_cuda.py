@@ -16,7 +16,6 @@
 (f) host_state="compact" with kept and cached blocks: the mean of the last 10 losses of 30 bf16 steps
     within 1% of the fp32 host state's.
 (g) kept blocks saving only matmul outputs: less device memory, the same training.
-(h) split_embedding_update: fp32 parity as in (a), every step split, no hidden synchronisation.
 """
 
 from __future__ import annotations
@@ -354,42 +353,3 @@ def test_cuda_kept_blocks_saving_matmuls_use_less_memory_and_train_the_same() ->
 
 
 # ---------------------------------------------------------------------------------------------
-# (h) an untied input embedding updated in two halves (split_embedding_update): the device-side
-# mask, gather and copies ordered by events, fp32 parity as in (a), and no hidden synchronisation
-# ---------------------------------------------------------------------------------------------
-class SplitSteps(Callback):
-    megatrain_reads_weights = False
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        split = trainer.strategy.engine._split
-        self.steps = split.steps if split is not None else -1
-
-
-def test_cuda_split_embedding_update(no_tf32: None) -> None:
-    import warnings
-
-    factory = _fp32_factory()
-    ref, _ = _timed_fit(factory, None, max_steps=20, precision="32-true", **CUDA)
-    probe = SplitSteps()
-    got, _ = _timed_fit(factory, megatrain(slots=3, split_embedding_update=True), max_steps=20, precision="32-true",
-                        callbacks=[probe], **CUDA)
-    assert_is_megatrain(got)
-    worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
-    emb = "model.model.embed_tokens.weight"
-    print(f"\n(h) split embedding update, fp32 TF32-off, 20 steps ({probe.steps} split): worst loss rel diff "
-          f"{worst_loss:.2e}, embedding ||delta||/||ref|| {rel_diff(ref.state[emb], got.state[emb]):.2e}")
-    assert probe.steps == 20
-    compare_losses(ref.losses, got.losses, rtol=1e-4)
-    compare_states(ref.state, got.state, rtol=1e-3)
-
-    sync_probe, split_probe = SyncDebug(), SplitSteps()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _timed_fit(_depth_factory(6, batch=2, seq=512), megatrain(split_embedding_update=True), max_steps=4,
-                   precision="bf16-mixed", callbacks=[sync_probe, split_probe], **CUDA)
-    torch.cuda.set_sync_debug_mode("default")
-    ours = [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message) and "megatrain_lightning" in w.filename]
-    named = sorted({(f.split("megatrain_lightning/")[-1], _enclosing_function(f, n)) for f, n in ours})
-    print(f"    bf16, 4 steps ({split_probe.steps} split): synchronising calls from the package: {named}")
-    assert split_probe.steps == 4
-    assert not [(f, fn) for f, fn in named if fn not in ALLOWED_SYNC_FUNCTIONS]

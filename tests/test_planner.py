@@ -9,27 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile
-from megatrain_lightning.planner import (
-    GB,
-    PROCESS_OVERHEAD_GB,
-    PlanShape,
-    RunSettings,
-    gpu_bytes,
-    gpu_peak,
-    host_bytes,
-    largest_micro_batch,
-    make_plan,
-    pinned_bytes,
-)
+from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, resolve
+from megatrain_lightning.plan.fit import largest_micro_batch
+from megatrain_lightning.plan.memory import GB, PROCESS_OVERHEAD_GB, gpu_bytes, gpu_peak, host_bytes, pinned_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # 2 blocks of 300 params, 400 resident (embedding 200 + untied head 200), widths small enough to add by hand.
 SHAPE = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
                   layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
-RUN = RunSettings(micro_batch=2, seq_len=3, accumulate=2, slots=3)
+RUN = Run(Workload(micro_batch=2, seq_len=3, accumulate=2), EngineConfig(slots=3, grad_buffers=4, bf16_grads=False))
 HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision="bf16-mixed", device_memory_gb=2,
                      host_memory_gb=10, link_gb_per_s=1, peak_bf16_tflops=1, slots=3, micro_batch=2, seq_len=3,
                      pinned_budget_gb=1, host_adam_gparams_per_s=1)
@@ -39,15 +31,15 @@ def test_host_bytes_by_hand() -> None:
     host = host_bytes(SHAPE, RUN)
     # staging: the gradient path is a block (300) or the larger resident part (embedding 200, untied head 200)
     assert list(host.values()) == [4000, 4000, 8000, 2 * 300 * 4, 0, PROCESS_OVERHEAD_GB * GB]
-    assert host_bytes(SHAPE, dataclasses.replace(RUN, accumulate=1))["grad staging (2 x grad path x 4 B)"] == 0
+    assert host_bytes(SHAPE, RUN.replace(accumulate=1))["grad staging (2 x grad path x 4 B)"] == 0
     assert pinned_bytes(SHAPE, RUN) == 8000 + 2400  # masters + grads + staging
     # one micro-batch per step with bf16_grads: blocks' gradients in bf16 buffers of their own (2 B/param),
     # the resident 4
-    single = dataclasses.replace(RUN, accumulate=1, grad_buffers=0)
+    single = RUN.replace(accumulate=1, grad_buffers=0)
     assert list(host_bytes(SHAPE, single).values())[:3] == [4000, 4000, 8000]
-    assert list(host_bytes(SHAPE, dataclasses.replace(single, bf16_grads=True)).values())[:3] == [4000, 2 * 600 + 4 * 400, 8000]
+    assert list(host_bytes(SHAPE, single.replace(bf16_grads=True)).values())[:3] == [4000, 2 * 600 + 4 * 400, 8000]
     # offloaded inputs: one per recomputed block (the kept one saves none), rounded up to a power of two
-    offload = host_bytes(SHAPE, dataclasses.replace(RUN, offload_inputs=True, keep_activations=1))
+    offload = host_bytes(SHAPE, RUN.replace(offload_inputs=True, keep_activations=1))
     assert offload["offloaded block inputs (pinned)"] == 1 * 256  # 2 x 3 tokens x 8 hidden x 4 B = 192 -> 256
 
 
@@ -66,14 +58,14 @@ def test_gpu_bytes_by_hand() -> None:
     ]
     assert gpu_peak(gpu) == 3000 + 2400 + 2400 + 400 + 384 + max(3600, 3528)
     # engines before the resident split (one part, all gradients until the end of the backward)
-    old = gpu_bytes(SHAPE, dataclasses.replace(RUN, head_in_backward=False))
+    old = gpu_bytes(SHAPE, RUN.replace(head_in_backward=False))
     assert list(old.values())[1:3] == [2 * 400 * 4, 8 * 400]
     # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
-    kept = gpu_bytes(SHAPE, dataclasses.replace(RUN, keep_activations=1, cache_weights=2, offload_inputs=True))
+    kept = gpu_bytes(SHAPE, RUN.replace(keep_activations=1, cache_weights=2, offload_inputs=True))
     assert list(kept.values())[0] == (3 + 2) * 300 * 2 + 300 * 4
     assert kept["saved block inputs (fp32)"] == 1 * tokens * 8 * 4  # the one recomputed block
     assert kept["saved: kept activations (1 blocks)"] == tokens * (30 * 8 + 6 * 4 + 8 * 16)
-    chunked = gpu_bytes(SHAPE, dataclasses.replace(RUN, loss_chunk_tokens=4))
+    chunked = gpu_bytes(SHAPE, RUN.replace(loss_chunk_tokens=4))
     assert chunked["transient: loss (logits)"] == 4 * 50 * 12
 
 
@@ -94,7 +86,7 @@ def test_step_time_by_hand_names_the_link() -> None:
     # the block AdamW shares host memory bandwidth with the gradient copies (4 B) and re-streamed masters (4 B)
     assert plan.times["host optimizer"] == pytest.approx(adam_blocks * (28 + 4 + 4) / 28 + adam_resident + add)
     # cached weights travel once per step; kept blocks are not recomputed
-    cached = make_plan(SHAPE, dataclasses.replace(RUN, cache_weights=2, keep_activations=2), HW)
+    cached = make_plan(SHAPE, RUN.replace(cache_weights=2, keep_activations=2), HW)
     assert cached.times["host->device copies"] == pytest.approx(h2d_first)
     assert cached.times["device compute"] < plan.times["device compute"]
 
@@ -102,14 +94,14 @@ def test_step_time_by_hand_names_the_link() -> None:
 def test_largest_micro_batch_is_the_boundary() -> None:
     available = 1e6
     mb = largest_micro_batch(SHAPE, RUN, available)
-    assert gpu_peak(gpu_bytes(SHAPE, dataclasses.replace(RUN, micro_batch=mb))) <= available
-    assert gpu_peak(gpu_bytes(SHAPE, dataclasses.replace(RUN, micro_batch=mb + 1))) > available
+    assert gpu_peak(gpu_bytes(SHAPE, RUN.replace(micro_batch=mb))) <= available
+    assert gpu_peak(gpu_bytes(SHAPE, RUN.replace(micro_batch=mb + 1))) > available
 
 
 def test_refuses_short_device_memory_with_the_fix() -> None:
     small = dataclasses.replace(HW, device_memory_gb=1.0 + 20e-6)  # 1 GB is the CUDA context: 20 KB left
     with pytest.raises(ConfigError) as err:
-        make_plan(SHAPE, dataclasses.replace(RUN, micro_batch=64), small, model="toy")
+        make_plan(SHAPE, RUN.replace(micro_batch=64), small, model="toy")
     msg = str(err.value)
     assert "device memory" in msg and "data.batch_size=" in msg and "data.seq_len=" in msg and "\n" not in msg
 
@@ -122,6 +114,7 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_prints_the_table_for_7b_on_h200() -> None:
     out = _plan_cli("model=qwen2_5_7b", "hardware=h200")
     assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("verdict: fits"), out.stdout[:200]
     for line in ("7.616 B params", "fp32 master (4 B/param)", "AdamW moments (8 B/param)", "weight slots",
                  "saved block inputs", "bottleneck:", "largest micro-batch at seq 2048"):
         assert line in out.stdout
@@ -139,25 +132,53 @@ def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     """Host-bound (slow host AdamW): without run-on the forward waits for every update; with it the step
     is the host's work alone; pooled buffers leave at most `grad_buffers` blocks' updates to the forward."""
     slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4)
-    run = dataclasses.replace(RUN, accumulate=1, grad_buffers=0)
+    run = RUN.replace(accumulate=1, grad_buffers=0)
     # the untied head (200) is updated during the backward, the embedding (200) between steps
     adam_blocks, adam_resident = 600 / 1e5 * (28 + 4 + 4) / 28 + 200 / 1e5, 200 / 1e5
-    off = make_plan(SHAPE, dataclasses.replace(run, run_on=False), slow, refuse=False)
-    on = make_plan(SHAPE, run, slow, refuse=False)
+    off = make_plan(SHAPE, run.replace(overlap_next_forward=False), slow, refuse_host=False, refuse_device=False)
+    on = make_plan(SHAPE, run, slow, refuse_host=False, refuse_device=False)
     fwd_first = off.times["forward (one micro-batch)"] + 1600 / 1e9  # + the resident fp32 masters
     bwd = off.times["backward (one micro-batch)"]
     assert off.step_s == pytest.approx(fwd_first + max(bwd, adam_blocks) + adam_resident)
     assert on.step_s == pytest.approx(adam_resident + max(fwd_first + bwd, adam_blocks))
-    pooled = make_plan(SHAPE, dataclasses.replace(run, grad_buffers=1), slow, refuse=False)  # 1 of 2 blocks
+    pooled = make_plan(SHAPE, run.replace(grad_buffers=1), slow, refuse_host=False, refuse_device=False)  # 1 of 2 blocks
     pool_hides = 600 / 1e5 * (28 + 4 + 4) / 28 / 2  # one of the two blocks' updates
     assert pooled.step_s == pytest.approx(adam_resident + max(fwd_first + bwd, fwd_first + adam_blocks - pool_hides, adam_blocks))
     assert on.step_s <= pooled.step_s < off.step_s
     # bf16 gradients: the copies write 2 B/param instead of 4, the one-pass AdamW reads 2 instead of 4
-    half = make_plan(SHAPE, dataclasses.replace(run, bf16_grads=True), slow, refuse=False)
+    half = make_plan(SHAPE, run.replace(bf16_grads=True), slow, refuse_host=False, refuse_device=False)
     assert half.times["host optimizer"] == pytest.approx(600 / 1e5 * (26 + 2 + 4) / 28 + 200 / 1e5 + 200 / 1e5)
     assert half.step_s < on.step_s
-    # split_embedding_update: the embedding's (200) zero-gradient pass joins the backward's host work; after
-    # it only the looked-up rows (6 tokens of a 50-row vocabulary) wait between the steps
-    split = make_plan(SHAPE, dataclasses.replace(run, split_embedding=True), slow, refuse=False)
-    assert split.step_s == pytest.approx(200 / 1e5 * 6 / 50 + max(fwd_first + bwd, adam_blocks + 200 / 1e5))
-    assert split.times["host optimizer"] == pytest.approx(on.times["host optimizer"] + 200 / 1e5 * 6 / 50)
+
+
+def test_resolve_applies_the_one_grad_buffer_policy() -> None:
+    """grad_buffers=None: own accumulators when the whole host footprint with them leaves a tenth free."""
+    work = Workload(micro_batch=2, seq_len=3)
+    roomy = resolve(SHAPE, work, EngineConfig(), HW)
+    assert roomy.grad_buffers == 0 and roomy.engine.bf16_grads is True  # the kernel assumed on the target
+    need = sum(host_bytes(SHAPE, Run(work, EngineConfig(grad_buffers=0, bf16_grads=True))).values())
+    tight = dataclasses.replace(HW, host_memory_gb=need / GB / 0.89)  # own accumulators at 89% of the host
+    assert resolve(SHAPE, work, EngineConfig(), tight).grad_buffers == 0
+    tighter = dataclasses.replace(HW, host_memory_gb=need / GB / 0.91)  # at 91%: the pool
+    assert resolve(SHAPE, work, EngineConfig(), tighter).grad_buffers == 4
+    assert resolve(SHAPE, work, EngineConfig(grad_buffers=2), tighter).grad_buffers == 2
+
+
+def test_every_model_config_is_planned_without_error() -> None:
+    """Each model under conf/model/ on the h200 profile: a plan (or a one-line refusal), never a crash."""
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning.conf_dir import config_dir
+    from megatrain_lightning.plan import plan_from_config
+
+    names = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if p.stem not in ("default", "pretrained"))
+    assert len(names) >= 10
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        for name in names:
+            cfg = compose(config_name="train", overrides=[f"model={name}", "hardware=h200", "data=synthetic"])
+            try:
+                plan = plan_from_config(cfg, refuse_device=False)
+            except ConfigError as err:
+                assert "\n" not in str(err), name
+                continue
+            assert plan.step_s > 0 and plan.host_total > 0, name

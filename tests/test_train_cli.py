@@ -87,7 +87,7 @@ BAD_INPUT = {
     ),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],
-        ["error: model=qwen2_5_72b has 72.71 B parameters", "872 GB of host memory", "hardware=cpu has 32 GB"],
+        ["error: model=qwen2_5_72b (72.71 B parameters) needs", "899.5 GB of host memory", "hardware=cpu has 32 GB"],
     ),
 }
 if not torch.cuda.is_available():

@@ -32,7 +32,7 @@ class ThroughputMonitor(pl.Callback):
         self.peak_tflops = peak_tflops
         self.window = window
         self.skip_first = skip_first
-        self.summary: dict[str, float] = {}  # whole run after skip_first: tokens/s, TFLOPS, MFU
+        self.summary: dict[str, float] = {}  # whole run after skip_first: tokens/s, s/batch, TFLOPS, MFU
         self.last_batch_shape: tuple[int, ...] | None = None  # [micro-batch, sequence length]
         self._steps = 0
         self._paused_at: float | None = None
@@ -54,7 +54,7 @@ class ThroughputMonitor(pl.Callback):
         return time.perf_counter()
 
     def _rates(self, span: "_Span", elapsed: float) -> dict[str, float]:
-        rates = {"tokens/s": span.tokens / elapsed}
+        rates = {"tokens/s": span.tokens / elapsed, "s/batch": elapsed / max(span.steps, 1)}
         if span.flops:
             rates["TFLOPS"] = span.flops / elapsed / 1e12
             if self.peak_tflops:
@@ -80,7 +80,8 @@ class ThroughputMonitor(pl.Callback):
         now = self._now(trainer)
         rates = self._rates(self._window, now - self._window.start)
         for name, value in rates.items():
-            pl_module.log(name, value, prog_bar=name != "MFU", on_step=True, on_epoch=False)
+            if name != "s/batch":
+                pl_module.log(name, value, prog_bar=name != "MFU", on_step=True, on_epoch=False)
         self._window = _Span(start=now)
 
     @override

@@ -1,10 +1,16 @@
-"""Framework-free streaming core: host store, device slots, the streamed-block Function, the pipeline.
+"""Framework-free streaming core: nothing in this subpackage imports Lightning (a test checks it).
 
-Nothing in this subpackage imports Lightning (a test checks it).
+Modules, in the order data flows through them: ``store`` (flat host buffers), ``materialize`` (meta
+models built into the store), ``streams``, ``slots`` and ``prefetch`` (weights onto the device),
+``block`` and ``selective`` (the streamed-block autograd Function), ``offload`` (saved inputs parked on
+the host), ``resident`` (embeddings and head), ``grads`` (gradients home), ``host_worker`` and
+``updates`` (the host jobs and the updates in flight), ``phase`` and ``stats``; ``engine`` wires them.
 """
 
-from .host_store import FlatLayout, FlatStore
-from .pipeline import CopyCounters, StreamingEngine
+from .engine import StreamingEngine
+from .phase import Phase
 from .resident import RESIDENT, RESIDENT_AFTER
+from .stats import EngineStats
+from .store import FlatLayout, FlatStore
 
-__all__ = ["FlatLayout", "FlatStore", "StreamingEngine", "CopyCounters", "RESIDENT", "RESIDENT_AFTER"]
+__all__ = ["StreamingEngine", "Phase", "EngineStats", "FlatLayout", "FlatStore", "RESIDENT", "RESIDENT_AFTER"]

@@ -16,6 +16,8 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import nn
 
+from .store import FlatLayout, FlatStore, HostState, PinnedRegistry
+
 InitFn = Callable[[Sequence[nn.Module]], None]
 
 
@@ -78,3 +80,31 @@ class MetaMaterializer:
 
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def build_stores(
+    module: nn.Module,
+    groups_of: Callable[[], list[list[nn.Parameter]]],
+    materializer: MetaMaterializer,
+    pins: PinnedRegistry,
+    host_state: HostState,
+    skip: Collection[int] = (),
+) -> list[FlatStore | None]:
+    """Materialise ``module`` (not descending into ``skip``) and build one store per group of
+    ``groups_of()`` (None for an empty group; called again after materialising, for the host tensors).
+
+    fp32 stores are laid out from the meta shapes first and the meta parameters become views of the
+    store's master, so that initialisation writes the store directly (no second copy of anything).
+    """
+    masters: list[torch.Tensor | None] = []
+    for params in groups_of():
+        master = None
+        if host_state == "fp32" and any(p.is_meta for p in params):
+            layout = FlatLayout(params)
+            master = pins.empty(layout.numel)
+            master.zero_()  # alignment padding stays zero
+            materializer.place({id(p): v for p, v in zip(params, layout.views(master)) if p.is_meta})
+        masters.append(master)
+    materializer(module, skip=skip)
+    return [FlatStore(params, pins, host_state, master=master) if params else None
+            for params, master in zip(groups_of(), masters)]

@@ -7,27 +7,36 @@ with a store of its own:
   one (the input embedding; a tied LM head). The next forward needs them first.
 * **after** (``RESIDENT_AFTER``): parameters that only modules after the last block own (the final norm,
   an untied LM head). Their gradients are final once the loss's backward has run, before any block's
-  backward begins, so the engine sends them home then: their host update overlaps the backward instead of
+  backward begins, so they are sent home then: their host update overlaps the backward instead of
   following it, and the next forward needs them only at its end. For a 7B model with an untied head that
   takes half of the resident part (0.55 B parameters) off the path between one step and the next.
 
 "Before" and "after" follow the module registration order (``named_modules``), which is the forward order
-of every model this package knows; the engine checks it at run time and sends the after part with the
-rest at the end of the backward whenever a step does not keep to it.
+of every model this package knows; a run-time check sends the after part with the rest at the end of the
+backward whenever a step does not keep to it. During a step each parameter's ``.data`` is its device
+view and its host ``.grad`` is parked in the part (device gradients accumulate from zero); both go back
+at the end of the backward, the device gradients shipped home through the gradient path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .host_store import FlatStore
+from .phase import StepState
+from .stats import EngineStats
+from .store import FlatStore
+from .streams import Streams
+from .updates import UpdateTracker
 
 RESIDENT = -1  # counter and job key of the part used before the blocks
 RESIDENT_AFTER = -2  # counter and job key of the part used only after them
+
+# send(key, store, grads, then, priority): ship a store's device gradients home (the engine's gradient path)
+Send = Callable[[int, FlatStore, Sequence[torch.Tensor | None], Any, int], None]
 
 
 @dataclass
@@ -79,3 +88,177 @@ def resident_names(root: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[s
             continue
         (after if first_owner[id(p)] > last_block else before).append(name)
     return before, after
+
+
+class ResidentParts:
+    """The resident parts of one model: on the device during a step, their masters on the host."""
+
+    def __init__(self, root: nn.Module, blocks: Sequence[nn.Module], stores: Sequence[FlatStore | None],
+                 streams: Streams, stats: EngineStats, updates: UpdateTracker, state: StepState, send: Send) -> None:
+        self.streams = streams
+        self.stats = stats
+        self.updates = updates
+        self.state = state
+        self.send = send
+        self.last_block = len(blocks) - 1
+        keys = ((RESIDENT, -1), (RESIDENT_AFTER, len(blocks)))
+        self.parts = [ResidentPart(k, prio, s) for (k, prio), s in zip(keys, stores) if s is not None]
+        self.before = next((p for p in self.parts if p.key == RESIDENT), None)
+        self.after = next((p for p in self.parts if p.key == RESIDENT_AFTER), None)
+        # Learned over the run: every step so far used the after part only after the last block. Cleared
+        # for good the first time a step does not; its gradients are then sent at the end of the backward.
+        self.after_follows_blocks = True
+        # Any module owning a resident parameter pulls its part onto the device when it runs.
+        self._owned: dict[int, list[ResidentPart]] = self._owners(root, blocks)
+        self._hooks = [m.register_forward_pre_hook(self._pre_hook) for m in self._owner_modules]
+        if self.after is not None:  # a gradient after the early send would be lost: refuse it loudly
+            self._hooks += [p.register_post_accumulate_grad_hook(self._after_grad_landed)
+                            for p in self.after.store.params if p.requires_grad]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.store.params]
+
+    def _owners(self, root: nn.Module, blocks: Sequence[nn.Module]) -> dict[int, list[ResidentPart]]:
+        part_of = {id(p): part for part in self.parts for p in part.store.params}
+        block_ids = {id(b) for b in blocks}
+        owned: dict[int, list[ResidentPart]] = {}
+        self._owner_modules: list[nn.Module] = []
+        stack: list[nn.Module] = [root]
+        seen: set[int] = set()
+        while stack:
+            m = stack.pop()
+            if id(m) in seen or id(m) in block_ids:
+                continue
+            seen.add(id(m))
+            parts = {id(part_of[id(p)]): part_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in part_of}
+            if parts:
+                self._owner_modules.append(m)
+                owned[id(m)] = list(parts.values())
+            stack.extend(c for c in m._modules.values() if c is not None)
+        return owned
+
+    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        if not self.state.step_open:
+            return
+        for part in self._owned[id(module)]:
+            if part is self.after and torch.is_grad_enabled() and not self.state.calls.get(self.last_block):
+                self.after_follows_blocks = False  # used before the last block: final only at the end
+            self.ensure(part)
+
+    # ------------------------------------------------------------------ onto the device
+    def open(self) -> None:
+        """A step begins: every part onto the device, the after part only if its update has run (else
+        when its owner runs)."""
+        for part in self.parts:
+            self.ensure(part, wait=part.key != RESIDENT_AFTER)
+
+    def ensure_all(self) -> None:
+        for part in self.parts:
+            self.ensure(part)
+
+    def ensure(self, part: ResidentPart, wait: bool = True) -> None:
+        """One part onto the device (refreshed first if its masters changed); without ``wait``, only if its
+        update (if one runs on) has run."""
+        if part.on_device:
+            return
+        store = part.store
+        if part.stale:
+            if not self.updates.wait_for(part.key, block=wait):
+                return  # its owner's forward hook brings it later
+            if part.device is None:
+                part.device = torch.empty(store.numel, device=self.streams.device)
+                part.views = store.layout.views(part.device)
+            compute = self.streams.compute()
+            h2d = self.streams.h2d
+            with self.streams.on(h2d):
+                self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
+                if store.master.dtype == part.device.dtype:
+                    part.device.copy_(store.master, non_blocking=True)
+                else:  # bf16 masters (host_state="compact"): copy as they are, widen on the device
+                    stage = torch.empty(store.numel, dtype=store.master.dtype, device=self.streams.device)
+                    stage.copy_(store.master, non_blocking=True)
+                    part.device.copy_(stage)
+                    # Buffer lifetime: allocated on the h2d stream, read only there; freed after the cast.
+                ev = self.streams.record_on(h2d)
+            self.streams.wait(compute, ev)
+            self.stats.bump(self.stats.h2d, part.key)
+            part.stale = False
+        part.saved_grads = []
+        for p, dv in zip(store.params, part.views):
+            part.saved_grads.append(p.grad)
+            p.grad = None  # device gradients accumulate from zero; the host keeps what was there
+            p.data = dv
+        part.on_device = True
+
+    def stale(self) -> None:
+        """The masters changed (an optimizer step, a checkpoint load): the device copies are out of date."""
+        for part in self.parts:
+            part.stale = True
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Clear the host gradients parked mid-step, as the optimizer's ``zero_grad`` would have."""
+        for part in self.parts:
+            if not part.on_device:
+                continue
+            if set_to_none:
+                part.saved_grads = [None] * len(part.saved_grads)
+            else:
+                for g in part.saved_grads:
+                    if g is not None:
+                        g.zero_()
+
+    # ------------------------------------------------------------------ back to the host
+    def to_host(self, then: Any) -> None:
+        """Every part back to its host masters; its device gradients go home (into ``then``, the update,
+        when one overlaps)."""
+        for part in self.parts:
+            self._part_to_host(part, then)
+
+    def _part_to_host(self, part: ResidentPart, then: Any) -> None:
+        if not part.on_device:
+            return
+        store = part.store
+        grads = [p.grad for p in store.params]
+        for p, host_view, saved in zip(store.params, store.master_views, part.saved_grads):
+            p.grad = None
+            p.data = host_view
+            p.grad = saved
+        part.on_device = False
+        if any(g is not None for g in grads):
+            self.send(part.key, store, grads, then, part.priority)
+            self.stats.bump(self.stats.d2h, part.key)
+
+    def backward_starts(self, first: bool, block: int, then: Any) -> None:
+        """A block's backward begins. At the first one of a micro-batch whose update overlaps it, the after
+        part's gradients are final (the loss's backward, which alone reaches them, is done): send them home
+        now, so that their update runs beside the blocks' backward instead of after it."""
+        part = self.after
+        if not first or part is None or not part.on_device or then is None or not self.after_follows_blocks:
+            return
+        calls = self.state.calls
+        # one pass through the blocks, this one last: every use of the after part came after it
+        if block != max(calls, default=-1) or any(n != 1 for n in calls.values()):
+            return
+        self._part_to_host(part, then)
+        part.sent_early = True
+
+    def end_backward(self) -> None:
+        for part in self.parts:
+            part.sent_early = False
+
+    def _after_grad_landed(self, param: torch.Tensor) -> None:
+        if self.after is not None and self.after.sent_early:
+            raise RuntimeError(
+                "a gradient reached a parameter used only after the last block once its gradients had been "
+                "sent to the host (at the first block's backward): this model's backward does not follow its "
+                "forward order. Pass MegaTrainStrategy(engine=EngineConfig(overlap_optimizer=False)) and "
+                "report the model."
+            )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for part in self.parts:
+            part.device, part.views = None, []

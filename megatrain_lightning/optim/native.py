@@ -8,7 +8,7 @@ Two updates where torch has no single kernel, on a host step bound by memory ban
   Here each gradient is widened in a register: 26 bytes of host memory traffic per parameter and step
   (read fp32 weight and both moments, bf16 gradient; write the three back) against 28 for torch's kernel
   on fp32 gradients. H200 host: 4.6-4.9 against 4.3 G params/s.
-- compact state (``host_adam.compact_adam_step``): join the weight's halves, the same arithmetic, split,
+- compact state (``compact.py``): join the weight's halves, the same arithmetic, split,
   round the moments stochastically, per element: 16-18 bytes per parameter against the chunked torch
   path's 14 passes. H200 host: 5.4 against 1.3 G params/s (torch's fp32 kernel: 4.3).
 
@@ -19,7 +19,7 @@ the kernel must reproduce torch's fused kernel on the widened gradients bit for 
 with L2 decay, ``maximize``, both lerp branches and every tail length; of the variants compiled (where
 torch's build may or may not have fused a multiply-add), the first that does is used. No compiler, a
 failed build or no exact variant: :func:`kernel` returns None (with a warning, once) and the callers take
-their torch paths (``host_adam``), with the reason in :func:`unavailable_reason`.
+their torch paths (``adam.py``, ``compact.py``), with the reason in :func:`unavailable_reason`.
 ``MEGATRAIN_NATIVE_ADAM=0`` turns the kernel off (for side-by-side measurements).
 """
 
@@ -39,7 +39,9 @@ from typing import Sequence
 
 import torch
 
-from .host_adam import AdamHyper, CompactSpan, Piece, adam_kernel
+from ..engine.store import split_fp32
+from .adam import AdamHyper, Piece, adam_kernel
+from .compact import DITHER_P, DITHER_STEP, DITHER_V, dither_table, step_compact_chunked
 
 
 SOURCE = Path(__file__).with_name("native_adam.c")
@@ -73,7 +75,7 @@ def _c_hyper(hyper: AdamHyper) -> _CHyper:
 class NativeAdam:
     """The loaded kernel, with the variant and torch's vector width that reproduce torch exactly.
 
-    ``compact``: whether the compact-state kernel also reproduces ``host_adam``'s chunked compact update
+    ``compact``: whether the compact-state kernel also reproduces ``compact.py``'s chunked update
     bit for bit (checked at load after the variant is chosen); without it that path stays in torch ops.
     """
 
@@ -90,22 +92,20 @@ class NativeAdam:
         master_low: torch.Tensor | None,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
-        spans: Sequence[CompactSpan],
+        spans: Sequence[Piece],
         hyper: AdamHyper,
-        dither: torch.Tensor,
+        dither: torch.Tensor | None = None,
         threads: int | None = None,
-    ) -> list[CompactSpan]:
-        """The compact update (``host_adam.compact_adam_step``) of ``spans`` but their tails, in place;
+    ) -> list[Piece]:
+        """The compact update (``compact.step_compact_chunked``) of ``spans`` but their tails, in place;
         returns the tails (each span's last ``len % width`` elements, as spans) for the caller's chunked
-        path, which runs torch's own tail loop on them. ``dither``: ``host_adam``'s table (at least its
-        period long)."""
+        path, which runs torch's own tail loop on them. ``dither``: ``compact.dither_table`` (default)."""
         assert self._compact_fn is not None
         for t in (master, exp_avg, exp_avg_sq):
             assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"
         assert master_low is None or (master_low.dtype == torch.int16 and master_low.is_contiguous())
-        from .host_adam import _DITHER_P, _DITHER_STEP, _DITHER_V
-
-        assert dither.dtype == torch.int32 and dither.numel() >= _DITHER_P
+        dither = dither_table(16) if dither is None else dither
+        assert dither.dtype == torch.int32 and dither.numel() >= DITHER_P
         arr = (_CSpan * len(spans))()
         tails = []
         for k, sp in enumerate(spans):
@@ -114,14 +114,14 @@ class NativeAdam:
             arr[k].start, arr[k].end, arr[k].tail, arr[k].step = sp.start, sp.end, tail, float(sp.step)
             arr[k].grad, arr[k].grad_bf16 = sp.grad.data_ptr(), int(sp.grad.dtype == torch.bfloat16)
             if tail < sp.end:
-                tails.append(CompactSpan(tail, sp.end, sp.grad[tail - sp.start :], sp.step))
+                tails.append(Piece(tail, sp.end, sp.grad[tail - sp.start :], sp.step))
         self._compact_fn(
             ctypes.c_void_p(master.data_ptr()),
             ctypes.c_void_p(master_low.data_ptr() if master_low is not None else None),
             ctypes.c_void_p(exp_avg.data_ptr()), ctypes.c_void_p(exp_avg_sq.data_ptr()),
             arr, ctypes.c_int64(len(spans)), ctypes.byref(_c_hyper(hyper)), ctypes.c_int(self.flags),
             ctypes.c_int(threads or torch.get_num_threads()), ctypes.c_void_p(dither.data_ptr()),
-            ctypes.c_int64(_DITHER_P), ctypes.c_int64(_DITHER_STEP), ctypes.c_int64(_DITHER_V),
+            ctypes.c_int64(DITHER_P), ctypes.c_int64(DITHER_STEP), ctypes.c_int64(DITHER_V),
         )
         return tails
 
@@ -136,7 +136,8 @@ class NativeAdam:
         threads: int | None = None,
     ) -> None:
         """Update ``master`` and the moments (flat fp32, contiguous) in place from bf16 ``grad`` (same
-        layout) over ``pieces``: whole parameters, sorted and disjoint, steps already incremented.
+        layout; the pieces' own ``grad`` are not read) over ``pieces``: whole parameters, sorted and
+        disjoint, steps already incremented.
 
         The kernel runs with the GIL released (ctypes) on ``threads`` OpenMP threads (default: torch's
         intra-op count); then each parameter's tail goes through torch's own kernel in one call.
@@ -307,17 +308,16 @@ def _matches_torch(k: NativeAdam) -> bool:
             views = [[t[o : o + n] for o, n in zip(offsets, sizes)] for t in ref]
             g32 = grad.float()
             adam_kernel(views[0], [g32[o : o + n] for o, n in zip(offsets, sizes)], views[1], views[2], steps, hyper)
-            k.step(p, m, v, grad, [Piece(o, o + n, st) for o, n, st in zip(offsets, sizes, steps)], hyper, threads=2)
+            pieces = [Piece(o, o + n, grad[o : o + n], st) for o, n, st in zip(offsets, sizes, steps)]
+            k.step(p, m, v, grad, pieces, hyper, threads=2)
             if not all(torch.equal(a, b) for a, b in zip((p, m, v), ref)):
                 return False
     return True
 
 
 def _compact_matches(k: NativeAdam) -> bool:
-    """Bit for bit ``host_adam.compact_adam_step``'s chunked path (torch ops), with and without the low
-    half, fp32 and bf16 gradients, Adam and AdamW, several spans with gaps and tails."""
-    from . import host_adam
-    from .host_store import split_fp32
+    """Bit for bit ``compact.step_compact_chunked`` (torch ops), with and without the low half, fp32 and
+    bf16 gradients, Adam and AdamW, several spans with gaps and tails."""
 
     g = torch.Generator().manual_seed(1)
     sizes = [37, 1000, 16, 64 + 9, 3]
@@ -342,13 +342,13 @@ def _compact_matches(k: NativeAdam) -> bool:
                 state = [hi, lo if with_low else None, m, v]
                 ref = [t.clone() if t is not None else None for t in state]
 
-                def spans(step: float) -> list[CompactSpan]:
+                def spans(step: float) -> list[Piece]:
                     st = torch.tensor(step)
-                    return [CompactSpan(o, o + n, grad[o : o + n], st) for o, n in zip(offsets, sizes)]
+                    return [Piece(o, o + n, grad[o : o + n], st) for o, n in zip(offsets, sizes)]
 
-                host_adam._compact_torch(*ref, spans(3.0), hyper)
-                tails = k.compact_step(*state, spans(3.0), hyper, host_adam._dither_table(16), threads=2)
-                host_adam._compact_torch(*state, tails, hyper)
+                step_compact_chunked(*ref, spans(3.0), hyper)
+                tails = k.compact_step(*state, spans(3.0), hyper, dither_table(16), threads=2)
+                step_compact_chunked(*state, tails, hyper)
                 if not all(a is None or torch.equal(a, b) for a, b in zip(state, ref)):
                     return False
     return True

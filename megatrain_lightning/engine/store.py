@@ -23,14 +23,14 @@ torch's caching pinned allocator, which rounds every request up to a power of tw
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from ..config import HOST_STATES, HostState
+
 ALIGN_BYTES = 64
-HostState = Literal["fp32", "compact"]
-HOST_STATES = ("fp32", "compact")
 
 
 def join_fp32(hi: torch.Tensor, lo: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -153,7 +153,7 @@ class FlatStore:
         )
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
-        self.grad_lent = False  # grad is a pooled buffer (see _GradPath), not the store's own
+        self.grad_lent = False  # grad is a pooled buffer (see grads.py), not the store's own
         # bf16 gradients on their way into an update (see :meth:`hold_half_grad`), and the store's own
         # pinned buffer for them (allocated on first need, when no pooled buffer is lent)
         self.half_grad: torch.Tensor | None = None
@@ -222,7 +222,7 @@ class FlatStore:
 
         Why bf16: a block computed in bf16 has bf16 gradients; they widen to fp32 without loss, so they
         can travel and wait in host memory at half the bytes and be widened inside the update instead
-        (``host_adam.fused_adam_step_half``): half the pinned gradient memory and device→host bytes.
+        (``optim/adam.py``): half the pinned gradient memory and device→host bytes.
         """
         assert self.half_grad is None, "the store holds bf16 gradients not yet used"
         n = self.layout.numel

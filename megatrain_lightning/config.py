@@ -1,0 +1,128 @@
+"""EngineConfig: every placement and overlap choice of a MegaTrain run, typed, documented and validated here.
+
+The strategy (``MegaTrainStrategy(engine=EngineConfig(...))``), the YAML (``conf/strategy/megatrain.yaml``,
+key ``strategy.engine``), the engine and the planner all read this one object; nothing else sets a default.
+Lightning-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+HostState = Literal["fp32", "compact"]
+KeptSaves = Literal["all", "matmuls"]
+HOST_STATES: tuple[str, ...] = ("fp32", "compact")
+KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
+
+# grad_buffers=None: the pool used when a run's own gradient accumulators would not leave a tenth of the host
+# memory free (see grad_buffers_for).
+AUTO_POOL = 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a run places its memory and overlaps its work. Every choice gives the same result bit for bit,
+    except ``host_state``; they trade device memory, host memory and link bytes for speed.
+
+    Args:
+        slots: rotating device weight buffers (>= 2), one block each. Two double-buffer (block i+1 is
+            copied while block i computes); more prefetch deeper.
+        keep_activations: the last this-many blocks keep their activations on the device from forward to
+            backward instead of being recomputed, and keep their weights in a fixed slot for the step. Each
+            costs one block's activations at the micro-batch size (a 7B layer at 16 K tokens: ~3.5 GB) and
+            saves a third of its device work and two weight copies per micro-batch. The last blocks are the
+            ones to keep: their backward comes first, while the recomputed ones' copies are being issued.
+            Clamped to the number of blocks.
+        kept_saves: what a kept block holds: ``"all"`` its activations as autograd saves them;
+            ``"matmuls"`` its input and its matmul and attention outputs only, the backward recomputing the
+            elementwise ops from them (a few percent of the block's time; ``engine/selective.py``). A 7B
+            layer then keeps ~121 instead of ~262 KB per token, so about twice as many blocks fit.
+        cache_weights: the last ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype
+            weights on the device for the whole optimizer step: one host->device copy per step instead of
+            two per micro-batch, at one block of weights each (a 7B layer: 0.47 GB in bf16). Clamped.
+        offload_inputs: keep the recomputed blocks' saved inputs in pinned host memory instead of on the
+            device (each is one residual-stream activation: tokens x hidden x 4 B), brought back one block
+            ahead of its backward. Device memory then stops growing with depth, at those bytes on the link
+            both ways.
+        host_state: ``"fp32"``: fp32 master, gradient and Adam moments, 16 B/param on the host.
+            ``"compact"``: 12 B/param (8 lasting + the 4 B gradient): the fp32 master kept exactly as a bf16
+            high half plus an int16 low half, bf16 Adam moments rounded stochastically. The module's
+            parameters (``state_dict()``, checkpoints) are then bf16 and the low halves travel in the
+            optimizer state; Adam/AdamW only. Over 200 fine-tuning steps its loss is within 0.01% of fp32
+            state (docs/compact_state.md).
+        grad_buffers: pinned gradient buffers (one block each) lent to blocks whose update overlaps the
+            backward with nothing to accumulate: such a step keeps no full-size fp32 accumulator (4 B/param:
+            30 GB at 7B); those blocks' ``.grad`` are None after the step. 0: every store keeps its own
+            accumulator. The pool also bounds how far the device runs ahead of the host optimizer. ``None``:
+            own accumulators when they fit the host memory with a tenth of it to spare (faster: 1.10 against
+            1.22 s per 3B step on the H200 host), else a pool of 4 (:func:`grad_buffers_for`).
+        host_threads: intra-op threads of the host worker (gradient adds, AdamW). ``None``: torch's
+            default (all cores); on the 16-core H200 host 15 made the 3B step slower than 16.
+        bf16_grads: a block computed in bf16 whose gradients go straight into its overlapped update sends
+            them home in bf16 and the host AdamW widens them: the same step bit for bit, half the
+            device->host bytes and pinned gradient memory. ``None``: on where the one-pass host AdamW kernel
+            builds (it widens in a register: 3B on the H200, 1.003-1.007 against 1.147-1.180 s per step),
+            off without it (widening chunk by chunk cost more than it saved: 1.29 against 1.12 s).
+        pin_memory: pin host masters and gradient buffers at their exact size for full-speed copies (55
+            against 6.7 GB/s pageable on the H200). ``None``: pin when the device is CUDA.
+        overlap_optimizer: update each block on the host as soon as its gradients land, while the backward
+            goes on, whenever that is exact (one optimizer, automatic optimisation, no clipping, no hook
+            between the backward and the step); otherwise the host step follows the backward.
+        overlap_next_forward: let the updates the backward did not finish run on into the next forward,
+            each block awaited before its weights go to the device; applies only while nothing but the
+            engine can look at the weights between steps (see ``MegaTrainStrategy``).
+    """
+
+    slots: int = 2
+    keep_activations: int = 0
+    kept_saves: KeptSaves = "all"
+    cache_weights: int = 0
+    offload_inputs: bool = False
+    host_state: HostState = "fp32"
+    grad_buffers: int | None = None
+    host_threads: int | None = None
+    bf16_grads: bool | None = None
+    pin_memory: bool | None = None
+    overlap_optimizer: bool = True
+    overlap_next_forward: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.slots, int) or self.slots < 2:
+            problems.append(f"slots={self.slots!r}: at least 2 device slots are needed to overlap copies and compute")
+        for name in ("keep_activations", "cache_weights"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                problems.append(f"{name}={value!r}: a number of blocks, >= 0")
+        if self.kept_saves not in KEPT_SAVES:
+            problems.append(f"kept_saves={self.kept_saves!r}: expected one of {KEPT_SAVES}")
+        if self.host_state not in HOST_STATES:
+            problems.append(f"host_state={self.host_state!r}: expected one of {HOST_STATES}")
+        if self.grad_buffers is not None and (not isinstance(self.grad_buffers, int) or self.grad_buffers < 0):
+            problems.append(f"grad_buffers={self.grad_buffers!r}: a number of pooled buffers, >= 0 (None: automatic)")
+        if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
+            problems.append(f"host_threads={self.host_threads!r}: a number of threads, >= 1 (None: torch's default)")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    def for_blocks(self, n_blocks: int) -> EngineConfig:
+        """This config with the block counts clamped to a model of ``n_blocks`` blocks."""
+        return dataclasses.replace(
+            self, keep_activations=min(self.keep_activations, n_blocks), cache_weights=min(self.cache_weights, n_blocks)
+        )
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks whose weights stay on the device for the step (kept blocks included)."""
+        return max(self.keep_activations, self.cache_weights)
+
+
+def grad_buffers_for(requested: int | None, host_need_bytes: float, host_total_bytes: float) -> int:
+    """The one grad-buffer policy (engine at setup, planner ahead of time): ``requested`` when set; else 0
+    (own accumulators) when the host footprint with them, ``host_need_bytes``, leaves a tenth of
+    ``host_total_bytes`` free, else :data:`AUTO_POOL`."""
+    if requested is not None:
+        return requested
+    return 0 if host_need_bytes <= 0.9 * host_total_bytes else AUTO_POOL

@@ -1,0 +1,309 @@
+"""The streaming engine: the facade that wires store, slots, streams, gradient path and host worker.
+
+Data flow of one micro-batch (DESIGN.md section 4):
+
+* forward: block ``i`` waits for its weights in a slot (``prefetch.py``), runs without keeping
+  activations (``block.py``), frees the slot; meanwhile the host->device stream fills the other slots
+  with the next blocks of the predicted call order. The resident parameters (``resident.py``) are on the
+  device for the step.
+* backward: blocks in reverse; each is recomputed from its saved input (``offload.py`` when parked on the
+  host) with re-streamed weights, and its gradients go home through ``grads.py``, where the host worker
+  (``host_worker.py``) accumulates them or runs the block's optimizer update as soon as they land
+  (``updates.py`` tracks those).
+* options that spend device memory for speed (``EngineConfig``): kept blocks build their graph in the
+  forward and skip the recompute; cached blocks own a fixed slot filled once per optimizer step.
+
+Ordering is by events only; the one host synchronisation per micro-batch is at the end of the backward,
+where the host optimizer needs the gradients. On a machine without CUDA the same code runs with the CPU
+as the device (``streams.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import host_memory
+from ..config import EngineConfig, grad_buffers_for
+from .block import CallSpec, StreamedBlock
+from .grads import GradPath, Update
+from .host_worker import HostWorker
+from .materialize import InitFn, MetaMaterializer, build_stores
+from .offload import InputOffload, Stash
+from .phase import Phase, StepState
+from .prefetch import WeightStream
+from .resident import ResidentParts, resident_names
+from .slots import BlockBinding, DeviceSlots
+from .stats import EngineStats
+from .store import FlatStore, PinnedRegistry
+from .streams import Streams
+from .updates import UpdateTracker
+
+
+class StreamingEngine:
+    """Streams ``blocks`` through device slots; everything else is resident during a step.
+
+    Args:
+        root: the whole model. Its parameters outside ``blocks`` are resident: on the device during a
+            step (fp32 copies of their host masters), on the host otherwise.
+        blocks: the repeated blocks of ``root``, in their usual forward order. Their ``forward`` is
+            replaced by a streaming one for the engine's lifetime (:meth:`close` restores it).
+        device: the compute device; the CPU runs the very same path (copies are plain copies).
+        compute_dtype: dtype of the block weights on the device (bf16 halves slot memory and runs matmuls
+            on tensor cores); masters and gradients stay fp32 on the host either way.
+        config: placement and overlap choices (:class:`~megatrain_lightning.config.EngineConfig`).
+        init: fills the tensors of modules built on the meta device, which the engine materialises block
+            by block straight into the host store (``materialize.py``); required only for meta tensors.
+    """
+
+    def __init__(self, root: nn.Module, blocks: Sequence[nn.Module], device: torch.device,
+                 compute_dtype: torch.dtype = torch.float32, config: EngineConfig | None = None,
+                 init: InitFn | None = None) -> None:
+        config = config or EngineConfig()
+        n_blocks = len(blocks)
+        for name in ("keep_activations", "cache_weights"):
+            if getattr(config, name) > n_blocks:
+                raise ValueError(f"{name}={getattr(config, name)}: more than the model's {n_blocks} blocks")
+        self.config = config
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.streams = Streams(self.device)
+        self.pins = PinnedRegistry(self.streams.cuda if config.pin_memory is None else config.pin_memory)
+        self.stats = EngineStats()
+        self.state = StepState()
+        self.updates = UpdateTracker(self.stats)
+        self.root = root
+        self.blocks = list(blocks)
+
+        # The host store: a meta-built model is materialised into it block by block.
+        materializer = MetaMaterializer(init)
+        self.stores: list[FlatStore] = []
+        self.bindings: list[BlockBinding] = []
+        for block in self.blocks:
+            store = build_stores(block, lambda b=block: [list(b.parameters())], materializer, self.pins, config.host_state)[0]
+            assert store is not None  # find_blocks returns blocks with parameters
+            self.stores.append(store)
+            self.bindings.append(BlockBinding(block, store.params))
+            self.bindings[-1].buffers_to(self.device)
+        names = resident_names(root, self.blocks)
+        resident_stores = build_stores(root, lambda: [[root.get_parameter(n) for n in group] for group in names],
+                                       materializer, self.pins, config.host_state, skip={id(b) for b in self.blocks})
+        self.resident = ResidentParts(root, self.blocks, resident_stores, self.streams, self.stats, self.updates,
+                                      self.state, self._send)
+
+        # Device slots and what streams into them.
+        max_numel = max(s.numel for s in self.stores)
+        self.keep = set(range(n_blocks - config.keep_activations, n_blocks))
+        cached = range(n_blocks - config.cached_blocks, n_blocks)
+        slots = DeviceSlots(config.slots, max_numel, compute_dtype, self.device,
+                            fixed=[(b, self.stores[b].numel) for b in cached], master_dtype=self.stores[0].dtype)
+        self.weights = WeightStream(self.stores, slots, self.streams, self.stats, self.keep, self.updates.wait_for)
+        self.offload = InputOffload(self.streams, self.pins, config.offload_inputs)
+
+        # The gradient path and the host worker behind it.
+        grad_numel = max([max_numel] + [part.store.numel for part in self.resident.parts])
+        self.grad_buffers = grad_buffers_for(config.grad_buffers, self._host_need_with_own_accumulators(),
+                                             host_memory.total_bytes())
+        self.worker = HostWorker(threads=config.host_threads)
+        self.grads = GradPath(self.streams, grad_numel, self.pins, self.stats, self.worker,
+                              self.grad_buffers, max_numel, config.bf16_grads)
+        # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
+        self.on_grads_final: Update | None = None
+
+        self._anchor_t: torch.Tensor | None = None
+        self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
+        self._original_forwards: dict[int, Callable[..., Any]] = {}
+        for i, block in enumerate(self.blocks):
+            block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
+
+    def _host_need_with_own_accumulators(self) -> float:
+        """Host bytes in use once every store holds its own fp32 accumulator and Adam moments."""
+        need = host_memory.total_bytes() - host_memory.available_bytes()
+        for s in self.all_stores():
+            need += 4 * s.numel if s.grad is None else 0
+            need += 2 * s.numel * s.dtype.itemsize if s.exp_avg is None else 0
+        return need
+
+    # ------------------------------------------------------------------ step scope
+    def open_step(self) -> None:
+        """Enter a step: resident weights go to the device and the first blocks start streaming in."""
+        self.state.open()
+        self.resident.open()
+        self.weights.start()
+
+    def end_call(self) -> None:
+        """The user's step function returned; blocks called from now on (outside a step) run on the host."""
+        self.state.step_open = False
+
+    def finish_backward(self) -> None:
+        """After ``loss.backward()``: resident gradients home, one host sync, host grads attached.
+
+        Sync point: waits for every device->host gradient copy and the host worker's accumulation jobs.
+        """
+        self.resident.to_host(self.on_grads_final)
+        self.grads.drain()
+        if self.streams.cuda:
+            self.streams.h2d.synchronize()  # no copy may still read a master the optimizer will write
+        self.resident.end_backward()
+        self.weights.learn(self.state.end_micro_batch())
+        self.offload.reset()
+
+    def settle(self, wait: bool = True) -> None:
+        """Resident parameters back to their host masters (gradients included), gradients drained and,
+        with ``wait``, every overlapped update run.
+
+        ``wait=False`` lets the updates run on: each store's next trip to the device waits for its own
+        update, so the next forward starts as soon as its first blocks are updated. Nothing else may read
+        or write the host masters, moments or ``.grad`` of the stores meanwhile: call ``settle()`` first.
+        A step may go on after it (manual optimisation): the next module that owns a resident parameter
+        pulls its part onto the device again.
+        """
+        self.resident.to_host(self.on_grads_final)
+        self.grads.drain()
+        if wait:
+            self.wait_updates()
+        else:
+            self.on_grads_final = None
+
+    def wait_updates(self) -> None:
+        """Host sync point: the overlapped optimizer updates of this step have all run."""
+        self.on_grads_final = None
+        self.updates.wait_all()  # raises what an update raised
+
+    def take_claimed(self) -> set[int]:
+        """Ids of the stores whose update was handed to ``on_grads_final`` since the last call: the
+        caller's optimizer step must skip them (they are updated, or will be before they are used)."""
+        return self.updates.take_claimed()
+
+    def weights_changed(self) -> None:
+        """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
+        self.weights.invalidate()
+        self.resident.stale()
+
+    def ensure_resident(self) -> None:
+        """Point every resident parameter at its device copy (refreshed first if the masters changed)."""
+        self.resident.ensure_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad`` is about to run. An update still running on from the last step
+        reads the gradients it would clear: wait for those first (normally done: the forward awaited them).
+        Mid-step (Lightning zeroes after the forward of a window's first micro-batch) the resident
+        parameters' host gradients are parked, out of its reach: clear them here as it would have."""
+        if self.updates.pending():
+            self.updates.wait_all()
+        self.resident.zero_grad(set_to_none)
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    # ------------------------------------------------------------------ blocks (BlockRunner)
+    def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
+        original = type(block).forward
+        self._original_forwards[index] = original
+        engine = self
+
+        def streamed_forward(*args: Any, **kwargs: Any) -> Any:
+            if not engine.state.step_open:
+                return original(block, *args, **kwargs)  # outside a step: a plain host module
+            _no_kv_cache(kwargs)
+            if not torch.is_grad_enabled():
+                weights = engine.acquire(index)
+                try:
+                    return engine.run_forward(index, args, kwargs, weights=weights)
+                finally:
+                    engine.release(index)
+            engine.state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
+            spec = CallSpec(args, kwargs)
+            outs = StreamedBlock.apply(engine, index, spec, engine._anchor(), *spec.take_tensors())
+            return spec.rebuild_output(outs)
+
+        return streamed_forward
+
+    def _anchor(self) -> torch.Tensor:
+        if self._anchor_t is None:
+            self._anchor_t = torch.zeros((), device=self.device, requires_grad=True)
+        return self._anchor_t
+
+    def acquire(self, block: int) -> list[torch.Tensor]:
+        return self.weights.acquire(block)
+
+    def release(self, block: int) -> None:
+        self.weights.release(block)
+
+    def run_forward(self, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor] | None = None) -> Any:
+        """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired if None)."""
+        release = weights is None
+        if weights is None:
+            weights = self.acquire(block)
+        try:
+            with self.bindings[block].bound(weights):
+                return self._original_forwards[block](self.blocks[block], *args, **kwargs)
+        finally:
+            if release:
+                self.release(block)
+
+    def requires_grad_flags(self, block: int) -> Sequence[bool]:
+        return self._flags[block]
+
+    def keeps(self, block: int) -> bool:
+        """Whether ``block`` keeps its activations (no recompute) during a step."""
+        return block in self.keep
+
+    def saves_matmuls_only(self, block: int) -> bool:
+        """Whether kept ``block`` saves only matmul and attention outputs (``kept_saves="matmuls"``)."""
+        return self.config.kept_saves == "matmuls"
+
+    def stash(self, tensors: Sequence[torch.Tensor]) -> Stash:
+        return self.offload.stash(tensors, self.state.step_open)
+
+    def unstash(self, stash: Stash) -> list[torch.Tensor]:
+        return self.offload.unstash(stash)
+
+    def backward_starts(self, block: int) -> None:
+        first = self.state.begin_backward()
+        self.resident.backward_starts(first, block, self.on_grads_final)
+
+    def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
+        final = self.state.backward_call(block)  # a block called twice is final after its second backward
+        self._send(block, self.stores[block], grads, self.on_grads_final if final else None, block)
+        self.stats.bump(self.stats.d2h, block)
+
+    def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None,
+              priority: int) -> None:
+        # The worker runs jobs in the next forward's order: blocks by index, the resident parts around them.
+        fut = self.grads.send(store, grads, then, priority=priority)
+        if fut is not None:
+            self.updates.add(key, store, fut)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Restore the blocks' own ``forward``, drop device memory and unpin the host buffers.
+
+        The parameters stay views of the (now pageable) host buffers: the trained values.
+        """
+        self.settle()
+        self.grads.close()
+        self.worker.shutdown()
+        for block in self.blocks:
+            if "forward" in block.__dict__:
+                del block.forward
+        self.resident.close()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self.weights.close()  # device memory goes now, not when the last reference to the engine does
+        self.pins.close()
+
+    def all_stores(self) -> list[FlatStore]:
+        return self.stores + [part.store for part in self.resident.parts]
+
+
+def _no_kv_cache(kwargs: dict) -> None:
+    """Hugging Face decoder layers: a recomputed layer must not append to a KV cache a second time."""
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+        if key in kwargs:
+            kwargs[key] = None

@@ -1,0 +1,222 @@
+"""The gradient path: device slabs -> pinned host memory -> fp32 accumulators or straight into an update.
+
+Per store (a block, or a resident part) and micro-batch, its parameter gradients are packed into one flat
+device slab and go to the host in one copy on the device->host stream. Where they land:
+
+* **bf16**, when the block computed in bf16, every parameter has a gradient, none holds one, and they go
+  straight into the store's overlapped update (``bf16_grads``): half the bytes, widened in the update.
+* **the fp32 accumulator** directly, when it holds nothing that must be kept (the first micro-batch);
+  a store with nothing to accumulate and an overlapped update borrows a pooled buffer for it instead of
+  keeping its own (``grad_buffers``).
+* **pinned staging**, otherwise: the host worker adds it into the accumulator once the copy has landed.
+
+Buffer lifetimes: device slab ``k`` is rewritten only after its last device->host copy has run (event
+``slab_done[k]``); a staging buffer only after the worker consumed it (its future); a lent buffer goes
+back to the pool when the update that read it is done. The one host sync is :meth:`GradPath.drain`.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .host_worker import HostWorker
+from .stats import EngineStats
+from .store import FlatStore, PinnedRegistry
+from .streams import Streams
+
+# The update run on the host worker once a store's gradients are final (the host optimizer's). If it has a
+# ``prefers_half_grads()`` method, ``bf16_grads=None`` asks it, once, whether bf16 gradients are worth it.
+Update = Callable[[FlatStore], None]
+
+
+class GradPath:
+    """Ships each store's gradients home and hands them to the host worker."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        numel: int,
+        pins: PinnedRegistry,
+        stats: EngineStats,
+        worker: HostWorker,
+        pool_buffers: int = 0,
+        pool_numel: int = 0,
+        half: bool | None = False,
+    ) -> None:
+        self.streams = streams
+        self.numel = numel
+        self.pins = pins
+        self.stats = stats
+        self.worker = worker
+        # bf16 gradients bound for an update travel as bf16; None: decided at the first one (see _wants_half)
+        self.half = half
+        # Two fp32 device slabs: block i's slab is overwritten by block i+2 only after its copy has run.
+        self.slabs = [torch.empty(numel, device=streams.device) for _ in range(2)]
+        self.slab_done = [streams.event() for _ in range(2)]
+        self.slab_written = [streams.event() for _ in range(2)]
+        self.turn = 0
+        # Pinned staging for accumulation, allocated on first need; each has the future of its last use.
+        self.staging: list[torch.Tensor] = []
+        self.staging_busy: list[Future | None] = []
+        self.staging_turn = 0
+        self._staged = 0  # the staging buffer taken last
+        self.busy: dict[int, Future] = {}  # id(store) -> its accumulation job still to run
+        self.pending: list[Future] = []  # accumulation jobs of this backward
+        # Pooled buffers: lent from a store's device->host copy to the end of its update on the worker.
+        self.pool_buffers = pool_buffers
+        self.pool_numel = pool_numel
+        self.pool_free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.pool_made = 0
+
+    def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None = None,
+             priority: int = 0) -> Future | None:
+        """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
+
+        ``then(store)`` runs on the host worker once they are in host memory (the overlapped optimizer
+        update of that store); its future is returned. ``priority``: the store's place in the next forward
+        (see ``host_worker.py``).
+        """
+        layout = store.layout
+        n = layout.numel
+        k = self.turn
+        self.turn ^= 1
+        empty = all(p.grad is None for p in layout.params)
+        half = (
+            then is not None and empty and not self._busy(store)
+            and all(g is not None and g.dtype == torch.bfloat16 for g in grads) and self._wants_half(then)
+        )
+        # the slabs are fp32; a bf16 store's gradients use the first half of one's bytes
+        slab = self.slabs[k].view(torch.bfloat16)[:n] if half else self.slabs[k][:n]
+        compute = self.streams.compute()
+        self.streams.wait(compute, self.slab_done[k])  # slab lifetime: its previous copy out has run
+        slab.zero_()  # padding and absent gradients must read as zeros on the host
+        present = [(v, g) for v, g in zip(layout.views(slab), grads) if g is not None]
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32 (not if half)
+        self.slab_written[k].record(compute)
+
+        lent = self._lend(store, half) if then is not None and store.grad is None and empty else None
+        if half:
+            target = store.hold_half_grad(lent)
+            direct = True
+            self.stats.half_sent += 1
+        else:
+            host = store.grad_buffer()
+            direct = empty and not self._busy(store)  # straight in only when nothing there must be kept
+            target = host[:n] if direct else self._take_staging(n)
+        fresh = [g is not None and p.grad is None for p, g in zip(layout.params, grads)]
+        held = [p.grad is not None for p in layout.params]
+        assert lent is None or direct  # a lent buffer holds nothing yet: its store's copy lands straight in it
+        # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
+        done = self.slab_done[k] = self.streams.event()
+        with self.streams.on(self.streams.d2h):
+            self.streams.wait(self.streams.d2h, self.slab_written[k])
+            target.copy_(slab, non_blocking=True)
+            done.record(self.streams.d2h)
+        if not half:
+            # Attach before the worker may look: the overlapped update reads ``p.grad``.
+            for p, view, f in zip(layout.params, store.grad_views, fresh):
+                if f:
+                    p.grad = view
+        if not direct:
+            fut = self.worker.submit(priority, _accumulate, done, store, target, fresh, held, ready=done.query)
+            self.staging_busy[self._staged] = fut
+            self.busy[id(store)] = fut
+            self.pending.append(fut)
+            if then is None:
+                return None
+            # a job of its own, so that draining the gradients does not wait for the update
+            return self.worker.submit(priority, then, store, ready=fut.done)
+        if then is None:
+            return None
+        return self.worker.submit(priority, _after_copy, done, store, then, lent, self.pool_free, half, ready=done.query)
+
+    def _wants_half(self, then: Update) -> bool:
+        if self.half is None:  # decided once: an fp32 run never asks (and never builds a kernel)
+            prefers = getattr(then, "prefers_half_grads", None)
+            self.half = bool(prefers()) if prefers is not None else False
+        return self.half
+
+    def _lend(self, store: FlatStore, half: bool) -> torch.Tensor | None:
+        """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger). With
+        ``half`` the caller reads it as bf16 (``FlatStore.hold_half_grad``), else it becomes ``store.grad``."""
+        if self.pool_buffers == 0 or store.numel > self.pool_numel:
+            return None
+        try:
+            buf = self.pool_free.get_nowait()
+        except queue.Empty:
+            if self.pool_made < self.pool_buffers:
+                buf = self.pins.empty(self.pool_numel)
+                self.pool_made += 1
+            else:
+                # Host wait: every buffer is lent to a queued update; the worker returns one when an update
+                # is done (the device runs ahead by `pool_buffers` blocks at most).
+                buf = self.pool_free.get()
+        if not half:
+            store.lend_grad(buf)
+        self.stats.grads_lent += 1
+        return buf
+
+    def _busy(self, store: FlatStore) -> bool:
+        fut = self.busy.get(id(store))
+        return fut is not None and not fut.done()
+
+    def _take_staging(self, n: int) -> torch.Tensor:
+        if not self.staging:
+            self.staging = [self.pins.empty(self.numel) for _ in range(2)]
+            self.staging_busy = [None, None]
+        j = self._staged = self.staging_turn
+        self.staging_turn ^= 1
+        busy = self.staging_busy[j]
+        if busy is not None:
+            busy.result()  # host wait: the worker must have consumed this staging buffer
+        return self.staging[j][:n]
+
+    def drain(self) -> None:
+        """Host sync point: every gradient of this backward is in its fp32 accumulator after this."""
+        if self.streams.cuda:
+            self.streams.d2h.synchronize()
+        try:
+            for fut in self.pending:
+                fut.result()
+        finally:
+            self.pending.clear()
+            self.busy.clear()
+
+    def close(self) -> None:
+        self.drain()
+        self.slabs = []
+
+
+def _after_copy(done: Any, store: FlatStore, then: Update, lent: torch.Tensor | None,
+                pool: "queue.SimpleQueue[torch.Tensor]", half: bool) -> None:
+    """Host worker: the update, once the device->host copy into the accumulator has landed."""
+    done.synchronize()
+    try:
+        then(store)
+    finally:
+        # Buffer lifetime: the update has read the gradients; bf16 ones are let go, a lent buffer goes back.
+        if half:
+            store.drop_half_grad()
+        elif lent is not None:
+            store.return_grad()
+        if lent is not None:
+            pool.put(lent)
+
+
+def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[bool], held: list[bool]) -> None:
+    """Host worker: add (or, for parameters whose ``.grad`` was None, copy) a staged gradient."""
+    done.synchronize()  # the worker waits for the device->host copy, the thread feeding the device does not
+    assert store.grad is not None
+    if not any(fresh):
+        store.grad[: staged.numel()].add_(staged)  # one flat add; absent gradients are zeros
+    else:
+        for view, src, f, h in zip(store.grad_views, store.layout.views(staged), fresh, held):
+            if f:
+                view.copy_(src)
+            elif h:
+                view.add_(src)

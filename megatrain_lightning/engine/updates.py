@@ -1,0 +1,68 @@
+"""The overlapped optimizer updates in flight, and the rule that guards the masters they write.
+
+A store's update runs on the host worker as soon as its gradients are home; with
+``overlap_next_forward`` it may still be running when the next step begins. Buffer lifetime: a store's
+masters may be copied to the device only after its own update has run (:meth:`UpdateTracker.wait_for`),
+and nothing else may read or write masters, moments or ``.grad`` until :meth:`UpdateTracker.wait_all`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from .stats import EngineStats
+from .store import FlatStore
+
+
+class UpdateTracker:
+    """Futures of the updates handed out this step, by store key (block index, ``RESIDENT``, ...)."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self._by_key: dict[int, Future] = {}
+        self._all: list[Future] = []  # every update not yet known to have run (failed ones stay)
+        self._claimed: set[int] = set()  # ids of the stores updated this way since take_claimed()
+
+    def add(self, key: int, store: FlatStore, fut: Future) -> None:
+        """``store``'s update of this step runs as ``fut``; the optimizer step must skip the store."""
+        self._by_key[key] = fut
+        self._claimed.add(id(store))
+        # Updates that run on into the next step are never waited for in bulk: drop finished ones here
+        self._all = [f for f in self._all if not f.done() or f.exception() is not None]
+        self._all.append(fut)
+
+    def pending(self) -> bool:
+        return bool(self._by_key)
+
+    def wait_for(self, key: int, block: bool = True) -> bool:
+        """Whether the update of ``key`` has run; with ``block``, a host wait until it has (and raise what
+        it raised). Buffer lifetime: the store's masters may go to the device only after this is True."""
+        fut = self._by_key.get(key)
+        if fut is None:
+            return True
+        if not block and not fut.done():
+            return False
+        t0 = time.perf_counter()
+        fut.result()  # host wait (the host optimizer is the bottleneck here); raises what the update raised
+        self.stats.update_wait_s += time.perf_counter() - t0
+        del self._by_key[key]
+        return True
+
+    def wait_all(self) -> None:
+        """Host sync point: every update handed out has run; then the first failure, if any, is raised
+        (after all of them have stopped: none still writes a master while the caller handles it)."""
+        first: BaseException | None = None
+        for fut in self._all:
+            exc = fut.exception()  # host wait
+            first = first or exc
+        self._all.clear()
+        self._by_key.clear()
+        if first is not None:
+            raise first
+
+    def take_claimed(self) -> set[int]:
+        """Ids of the stores updated (or being updated) since the last call; the caller's optimizer step
+        skips them."""
+        claimed, self._claimed = self._claimed, set()
+        return claimed

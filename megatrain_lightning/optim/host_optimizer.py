@@ -1,0 +1,343 @@
+"""The user's optimizer, stepped on the host master weights.
+
+The optimizer that ``configure_optimizers`` returns stays the object the user and their LR schedulers
+see: its ``param_groups`` hold the hyperparameters, its ``state`` the per-parameter state, its
+``state_dict()`` the usual format (a checkpoint loads into a plain ``torch.optim.AdamW`` and back).
+
+* Adam, AdamW and :class:`HostAdamW` (without ``amsgrad``) take the fast path: their moments live in the
+  host store's flat buffers (``state[p]["exp_avg"]`` is a view of them) and each (store, param group)
+  range is updated by one kernel call (``kernels.py``).
+* Any other ``torch.optim`` optimizer runs its own ``step()``: the parameters it holds are the module's
+  parameters, which are the fp32 host masters, and their ``.grad`` are views of the host accumulators.
+
+With ``host_state="compact"`` stores only the fast path exists (other optimizers are refused). The
+moments are bf16 (``state[p]["exp_avg"]`` and ``["exp_avg_sq"]`` are bf16 views, saved as such), and
+``state[p]["master_low"]`` is an int16 view of the low half of the fp32 master, so that a checkpoint
+resumes exactly: the model's ``state_dict()`` holds the bf16 high half. A plain ``torch.optim.AdamW``
+loads such a state dict too (moments cast to its parameters' dtype, ``master_low`` unused).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import chain
+from typing import Any, Callable, Collection, Iterable, Sequence
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from ..engine.store import FlatStore
+from . import kernels
+from .adam import AdamHyper, Piece
+
+
+class HostAdamW(torch.optim.AdamW):
+    """AdamW for host-resident parameters: fused (one vectorised pass, all cores) by default.
+
+    Under :class:`~megatrain_lightning.MegaTrainStrategy` it is stepped over the flat host buffers.
+    Anywhere else it is ``torch.optim.AdamW(..., fused=True)``, so a module that returns it trains the
+    same with any strategy. Same arguments and defaults as ``torch.optim.AdamW`` (no ``amsgrad``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+    ) -> None:
+        params = list(params)
+        on_cpu = all(
+            (p["params"] if isinstance(p, dict) else [p])[0].device.type == "cpu" for p in params[:1]
+        )
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                         fused=True if on_cpu else None)
+
+
+def is_fast_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam-family optimizers whose update the flat host kernels reproduce."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    return not any(
+        g.get("amsgrad") or g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups
+    )
+
+
+class _Range:
+    """The parameters of one param group inside one store: what one kernel call updates."""
+
+    def __init__(self, store: FlatStore, indices: list[int]) -> None:
+        self.store = store
+        self.indices = indices
+        self.params = [store.params[i] for i in indices]
+        self._views: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None] | None = None
+
+    def state_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-parameter views of the store's Adam moments (allocated on first use) and, for compact
+        stores, of the master's low half: what ``optimizer.state[p]`` holds."""
+        if self._views is None:
+            ea, eas = self.store.moment_buffers()
+            low = self.store.master_low
+            layout = self.store.layout
+            self._views = layout.views(ea), layout.views(eas), layout.views(low) if low is not None else None
+        return self._views
+
+    def ensure_state(self, st: dict[str, Any], i: int) -> dict[str, Any]:
+        """A parameter's Adam state on its first step: views of the store's moments (and low half)."""
+        if not st:
+            ea, eas, low = self.state_views()
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = ea[i]
+            st["exp_avg_sq"] = eas[i]
+            if low is not None:
+                st["master_low"] = low[i]
+        return st
+
+    def pieces(self, state: dict[Any, Any]) -> list[Piece]:
+        """The one span builder: this step's pieces of the range, every step count incremented once.
+
+        One piece per parameter with a gradient (as torch: a parameter without one is not updated, not
+        even decayed): the store's bf16 gradients when it holds them, else ``p.grad`` flattened. On a
+        compact store, consecutive parameters whose gradients are the store's own buffer and whose step
+        counts agree form one span, which passes its first parameter's step to the kernel (the kernel then
+        runs over the alignment padding between them: zeros that stay zero).
+        """
+        store = self.store
+        offsets = store.layout.offsets
+        own = store.grad_views if store.grad is not None else None
+        src = store.half_grad if store.half_grad is not None else store.grad  # the store's own gradients
+        out: list[Piece] = []
+        steps: list[torch.Tensor] = []
+        last: tuple[int, bool] | None = None  # (layout index, own gradient?) of the last parameter taken
+        for i, p in zip(self.indices, self.params):
+            start, end = offsets[i], offsets[i] + p.numel()
+            if store.half_grad is not None:
+                grad, is_own = store.half_grad[start:end], True
+            elif p.grad is None:
+                continue
+            elif own is not None and p.grad is own[i]:
+                grad, is_own = own[i].view(-1), True
+            else:
+                grad, is_own = p.grad.detach().reshape(-1).to(torch.float32), False
+            step = self.ensure_state(state[p], i)["step"]
+            steps.append(step)
+            if (store.compact and is_own and last is not None and last == (i - 1, True)
+                    and float(out[-1].step) == float(step)):
+                assert src is not None
+                out[-1] = Piece(out[-1].start, end, src[out[-1].start : end], out[-1].step)
+            else:
+                out.append(Piece(start, end, grad, step))
+            last = (i, is_own)
+        torch._foreach_add_(steps, 1)
+        return out
+
+
+class HostOptimizer:
+    """Steps ``optimizer`` on the host store.
+
+    Args:
+        optimizer: the user's optimizer; its params must be parameters of the streamed model.
+        stores: the engine's flat stores (blocks and resident parts).
+        on_zero_grad: told of every ``optimizer.zero_grad(set_to_none)``, so gradients the engine holds
+            aside during a step are cleared too.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stores: Sequence[FlatStore],
+                 on_zero_grad: Callable[[bool], None] | None = None) -> None:
+        self.optimizer = optimizer
+        if on_zero_grad is not None:
+            chain_zero_grad(optimizer, on_zero_grad)
+        where: dict[int, tuple[FlatStore, int]] = {}
+        for store in stores:
+            for i, p in enumerate(store.params):
+                where[id(p)] = (store, i)
+        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in where]
+        if missing:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds {len(missing)} tensors that are not parameters of the "
+                "LightningModule; MegaTrainStrategy keeps optimizer state for the module's parameters only. "
+                "Build the optimizer from `self.parameters()` (or subsets of it) in configure_optimizers."
+            )
+        self.fast = is_fast_adam(optimizer)
+        self.compact = any(s.compact for s in stores)
+        if self.compact and not self.fast:
+            raise ValueError(
+                f"host_state='compact' keeps bf16 Adam moments and steps them with its own kernel, so it "
+                f"supports torch.optim.Adam, torch.optim.AdamW and HostAdamW (without amsgrad) only, not "
+                f"{type(optimizer).__name__}"
+                f"{' with amsgrad (or differentiable/capturable)' if isinstance(optimizer, torch.optim.Adam) else ''}. "
+                "Use EngineConfig(host_state='fp32') for other optimizers."
+            )
+        self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
+        self.update_seconds = 0.0  # host time spent in those overlapped updates, over the run
+        # ranges[g]: per store, the layout indices of the params of group g (contiguous by construction).
+        self.ranges: list[list[_Range]] = []
+        for group in optimizer.param_groups:
+            per_store: dict[int, tuple[FlatStore, list[int]]] = {}
+            for p in group["params"]:
+                store, i = where[id(p)]
+                per_store.setdefault(id(store), (store, []))[1].append(i)
+            self.ranges.append([_Range(s, sorted(ix)) for s, ix in per_store.values()])
+        if self.fast:
+            self.adopt_state()
+        if self.compact:
+            # torch's load_state_dict casts every state tensor to its parameter's dtype (bf16), which
+            # would round the int16 low halves: set them aside before, put them back after.
+            self._held_low: dict[int, torch.Tensor] = {}
+            optimizer.register_load_state_dict_pre_hook(self._hold_low_halves)
+            optimizer.register_load_state_dict_post_hook(self._restore_low_halves)
+
+    # ------------------------------------------------------------------ state
+    def adopt_state(self) -> None:
+        """Move any existing Adam state into the flat buffers and make ``state[p]`` views of them.
+
+        Called at setup and after ``load_state_dict`` (which builds fresh tensors). Compact stores: a
+        ``master_low`` in the state is the fp32 master's low half (a checkpoint of a compact run); a state
+        without one (an fp32 run's) leaves the weight at its bf16 value (low half zero).
+        """
+        if not self.fast:
+            return
+        state = self.optimizer.state
+        for ranges in self.ranges:
+            for r in ranges:
+                ea_views, eas_views, low_views = r.state_views()
+                for i, p in zip(r.indices, r.params):
+                    st = state.get(p)
+                    if not st:
+                        continue
+                    with torch.no_grad():
+                        ea_views[i].copy_(st["exp_avg"])
+                        eas_views[i].copy_(st["exp_avg_sq"])
+                        if low_views is not None:
+                            held = st.get("master_low")
+                            if held is None:
+                                low_views[i].zero_()
+                            else:
+                                low_views[i].copy_(held)
+                            st["master_low"] = low_views[i]
+                    step = st["step"]
+                    st["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
+                        device="cpu", dtype=torch.float32
+                    )
+                    st["exp_avg"] = ea_views[i]
+                    st["exp_avg_sq"] = eas_views[i]
+
+    def _hold_low_halves(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """load_state_dict pre-hook: take the int16 ``master_low`` tensors out before torch casts them."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        by_id = dict(zip(ids, params))
+        states = {}
+        for key, st in state_dict["state"].items():
+            if isinstance(st, dict) and "master_low" in st:
+                st = dict(st)
+                low = st.pop("master_low")
+                if key in by_id:
+                    self._held_low[id(by_id[key])] = low
+            states[key] = st
+        return {**state_dict, "state": states}
+
+    def _restore_low_halves(self, optimizer: torch.optim.Optimizer) -> None:
+        """load_state_dict post-hook: the held low halves go back, unconverted, and all state moves into the store."""
+        held, self._held_low = self._held_low, {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                low = held.get(id(p))
+                if low is not None and optimizer.state.get(p):
+                    optimizer.state[p]["master_low"] = low
+        self.adopt_state()  # into the store now, whoever called load_state_dict
+
+    # ------------------------------------------------------------------ step
+    def step(self, skip: Collection[int] = ()) -> None:
+        """One optimizer step on the host, with the optimizer's step hooks run around it as ``step()`` would.
+
+        Stores whose ids are in ``skip`` were handed to an :meth:`overlap_update` of this step: they are
+        updated already, or will be by the time the engine next uses them.
+        """
+        opt = self.optimizer
+        if not self.fast:
+            assert not skip
+            opt.step()
+            return
+        for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
+            hook(opt, (), {})
+        with torch.no_grad():
+            for group, ranges in zip(opt.param_groups, self.ranges):
+                hyper = self.hyper(group)
+                for r in ranges:
+                    if id(r.store) not in skip:
+                        kernels.update(r.store, r.pieces(opt.state), hyper)
+        self.early_updates += len(skip)
+        for hook in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+            hook(opt, (), {})
+        if hasattr(opt.step, "_wrapped_by_lr_sched"):
+            opt._opt_called = True  # what the LR scheduler's step wrapper records; it is bypassed here
+
+    def can_overlap(self) -> bool:
+        """Whether stores may be updated one by one as their gradients land (no pre-step hook to honour)."""
+        opt = self.optimizer
+        return self.fast and not _global_optimizer_pre_hooks and not opt._optimizer_step_pre_hooks
+
+    def can_defer(self) -> bool:
+        """Whether those updates may also run on after :meth:`step` returns: no post-step hook either
+        (it must see every update done)."""
+        opt = self.optimizer
+        return self.can_overlap() and not _global_optimizer_post_hooks and not opt._optimizer_step_post_hooks
+
+    def overlap_update(self) -> StoreUpdate:
+        """The update of one store, to run on the host worker as soon as its gradients are final.
+
+        The hyperparameters are read now, at the start of the step: the update may run after the LR
+        scheduler has already stepped (updates run on into the next forward). The caller passes the stores
+        it ran this on to :meth:`step` as ``skip``.
+        """
+        return StoreUpdate(self, [self.hyper(g) for g in self.optimizer.param_groups])
+
+    def hyper(self, group: dict[str, Any]) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False)),
+            maximize=bool(group.get("maximize", False)),
+        )
+
+
+class StoreUpdate:
+    """One step's overlapped update of a store, ``update(store)`` on the host worker, with the
+    hyperparameters read at the start of the step."""
+
+    def __init__(self, host: HostOptimizer, hypers: list[AdamHyper]) -> None:
+        self.host = host
+        self.hypers = hypers
+
+    def __call__(self, store: FlatStore) -> None:  # host worker thread
+        t0 = time.perf_counter()
+        state = self.host.optimizer.state
+        with torch.no_grad():
+            for hyper, ranges in zip(self.hypers, self.host.ranges):
+                for r in ranges:
+                    if r.store is store:
+                        kernels.update(store, r.pieces(state), hyper)
+        self.host.update_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def prefers_half_grads() -> bool:
+        """Asked by the engine for ``bf16_grads=None``: bf16 gradients pay where the one-pass kernel builds."""
+        return kernels.half_grads_pay()
+
+
+def chain_zero_grad(owner: Any, callback: Callable[[bool], None]) -> None:
+    """Wrap this instance's ``zero_grad`` (an optimizer's or a module's) so ``callback(set_to_none)`` runs first."""
+    original = owner.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        callback(set_to_none)
+        original(set_to_none=set_to_none)
+
+    owner.zero_grad = zero_grad

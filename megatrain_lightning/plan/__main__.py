@@ -1,0 +1,41 @@
+"""``python -m megatrain_lightning.plan model=... hardware=... [key=value ...]``: print the plan.
+
+Composes the training config from the packaged ``conf/`` (as ``train.py`` would; ``data=synthetic`` unless
+a data option is given, so ``data.batch_size`` and ``data.seq_len`` are the micro-batch shape) and prints
+the verdict and the table. Exit 2 with one paragraph when it does not fit or an override is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    from ..conf_dir import config_dir
+    from ..errors import ConfigError
+    from . import format_plan, plan_from_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    overrides = ([] if any(a.startswith("data=") for a in args) else ["data=synthetic"]) + args
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+        print(format_plan(plan_from_config(cfg)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except MissingMandatoryValue as err:
+        print(f"error: {err.full_key} must be set, e.g. python -m megatrain_lightning.plan {err.full_key}=...",
+              file=sys.stderr)
+        return 2
+    except (OmegaConfBaseException, ValueError) as err:  # a bad override: Hydra's own one-line reason
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The plan and the one fit check: will a run fit host and device memory, decided before allocating."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import EngineConfig, grad_buffers_for
+from ..errors import ConfigError
+from ..hardware import HardwareProfile
+from .memory import (
+    CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, host_bytes,
+    lasting_weights, pinned_bytes,
+)
+from .run import Run, Workload
+from .shape import PlanShape
+from .timing import bottleneck, step_times
+
+# A strategy that keeps fp32 master, gradient and AdamW's two moments in host (or device) memory.
+BASELINE_STATE_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: bytes by item, seconds by phase, the bottleneck, and the largest shapes."""
+
+    model: str
+    hardware: str
+    shape: PlanShape
+    run: Run
+    host: dict[str, float]  # bytes by item
+    host_total: float
+    host_available: float
+    pinned: float  # bytes page-locked (a subset of `host`)
+    pinned_ok: bool  # within the profile's pinned budget (else pageable, ~8x slower copies)
+    gpu: dict[str, float]  # bytes by item (the two transients listed; only the larger counts)
+    gpu_total: float  # torch allocator peak: compare with max_memory_reserved
+    gpu_available: float  # device memory less the CUDA context
+    times: dict[str, float]  # seconds: per micro-batch resources, host AdamW, the step
+    step_s: float
+    bottleneck: str
+    max_micro_batch: int  # at the run's seq_len
+    max_seq_len: int  # at the run's micro-batch
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run.work.tokens * self.run.work.accumulate / self.step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.host_total <= self.host_available and self.gpu_total <= self.gpu_available
+
+
+def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile, **older: bool) -> Run:
+    """``engine``'s automatic choices as the strategy will make them on ``hw``: ``grad_buffers`` by the one
+    policy (``config.grad_buffers_for``), ``bf16_grads=None`` as on (the one-pass kernel assumed to build
+    on the target). ``older``: :class:`Run`'s ``compact_native`` / ``head_in_backward``."""
+    engine = engine.for_blocks(shape.layers)
+    if engine.bf16_grads is None:
+        engine = dataclasses.replace(engine, bf16_grads=True)
+    if engine.grad_buffers is None:
+        own = Run(work, dataclasses.replace(engine, grad_buffers=0), **older)
+        pool = grad_buffers_for(None, sum(host_bytes(shape, own).values()), hw.host_memory_gb * GB)
+        engine = dataclasses.replace(engine, grad_buffers=pool)
+    return Run(work, engine, **older)
+
+
+def _fits_device(shape: PlanShape, run: Run, available: float) -> bool:
+    return gpu_peak(gpu_bytes(shape, run)) <= available
+
+
+def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int) -> int:
+    """Largest value of ``field`` (micro_batch or seq_len) whose device peak fits: memory grows with it."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fits_device(shape, run.replace(**{field: mid}), available):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def largest_micro_batch(shape: PlanShape, run: Run, available: float, limit: int = 1 << 14) -> int:
+    """Largest micro-batch at the run's seq_len whose device peak fits (0: not even one row)."""
+    return _largest(shape, run, available, "micro_batch", limit)
+
+
+def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1 << 22) -> int:
+    """Largest sequence length at the run's micro-batch that fits, rounded down to a multiple of 128."""
+    lo = _largest(shape, run, available, "seq_len", limit)
+    return lo // 128 * 128 if lo >= 128 else lo
+
+
+def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the model",
+              refuse_host: bool = True, refuse_device: bool = True) -> Plan:
+    """The plan for ``model`` on ``hw``; a ConfigError naming the numbers and the fix when host
+    (``refuse_host``) or device (``refuse_device``) memory is short."""
+    host = host_bytes(shape, run)
+    host_total = sum(host.values())
+    host_available = hw.host_memory_gb * GB
+    if refuse_host and host_total > host_available:
+        state = host_total - host[STAGING] - host[OFFLOADED] - host[PROCESS]
+        refuse_host_memory(
+            model, shape.total_params, host_total, hw,
+            f"{state / GB:,.1f} GB of master, gradient and AdamW state at {state / shape.total_params:.1f} "
+            f"B/param, {(host_total - state) / GB:.1f} GB staging and process",
+            compact_fix=run.engine.host_state != "compact",
+        )
+    pinned = pinned_bytes(shape, run)
+    pinned_ok = hw.accelerator == "cuda" and pinned <= hw.pinned_budget_gb * GB
+    gpu = gpu_bytes(shape, run)
+    gpu_total = gpu_peak(gpu)
+    gpu_available = (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
+    max_mb = largest_micro_batch(shape, run, gpu_available)
+    max_seq = largest_seq_len(shape, run, gpu_available)
+    if refuse_device and gpu_total > gpu_available:
+        raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu))
+    times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
+    return Plan(
+        model=model, hardware=hw.name, shape=shape, run=run,
+        host=host, host_total=host_total, host_available=host_available, pinned=pinned, pinned_ok=pinned_ok,
+        gpu=gpu, gpu_total=gpu_total, gpu_available=gpu_available,
+        times=times, step_s=times["step"], bottleneck=bottleneck(times),
+        max_micro_batch=max_mb, max_seq_len=max_seq,
+    )
+
+
+def device_shortfall(model: str, run: Run, need: float, available: float, hw: HardwareProfile, max_mb: int,
+                     max_seq: int, gpu: dict[str, float]) -> str:
+    """What to change when the device peak does not fit, in one paragraph."""
+    w = run.work
+    return (
+        f"model={model} at micro-batch {w.micro_batch} x {w.seq_len} tokens needs {need / GB:.1f} GB of "
+        f"device memory but hardware={hw.name} has {available / GB:.1f} GB for tensors: "
+        + (
+            f"use at most data.batch_size={max_mb} at this seq_len, or data.seq_len={max_seq} at this micro-batch "
+            f"(and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"
+            if max_mb or max_seq
+            else f"even one row does not fit ({lasting_weights(gpu) / GB:.1f} GB are weight slots, gradient slabs "
+            f"and resident parameters): choose a device with more memory or fewer strategy.engine.slots"
+        )
+    )
+
+
+def refuse_host_memory(model: str, num_params: int, need: float, hw: HardwareProfile, what: str,
+                       compact_fix: bool = False) -> None:
+    """The one host fit refusal: a ConfigError with the numbers and what to change."""
+    raise ConfigError(
+        f"model={model} ({num_params / 1e9:.2f} B parameters) needs {need / GB:,.1f} GB of host memory ({what}), "
+        f"but hardware={hw.name} has {hw.host_memory_gb:,.0f} GB: choose a smaller model"
+        + (", strategy.engine.host_state=compact (4 B/param less)" if compact_fix else "")
+        + " or a profile with more host memory (or set hardware.host_memory_gb if the profile is wrong for this machine)"
+    )
+
+
+def check_baseline_host(model: str, num_params: int, hw: HardwareProfile) -> float:
+    """A CPU-offload baseline (DeepSpeed, FSDP) keeps 16 B/param on the host: refuse what cannot fit.
+    Returns the bytes."""
+    need = num_params * BASELINE_STATE_BYTES_PER_PARAM + PROCESS_OVERHEAD_GB * GB
+    if need > hw.host_memory_gb * GB:
+        refuse_host_memory(model, num_params, need, hw, "fp32 master, gradient and 2 AdamW moments, 16 B/param, "
+                           "and the process")
+    return need
+
+
+def device_state_warning(num_params: int, device_memory_gb: float, strategy: str) -> str | None:
+    """For a strategy that keeps all training state on the device: a warning when it cannot fit.
+
+    Not an error: the sweep is where one finds out, and its table records the out-of-memory.
+    """
+    need = num_params * BASELINE_STATE_BYTES_PER_PARAM
+    if need <= device_memory_gb * GB:
+        return None
+    return (
+        f"strategy={strategy} keeps {BASELINE_STATE_BYTES_PER_PARAM} B/param of training state on the device: "
+        f"{need / GB:,.0f} GB > {device_memory_gb:,.0f} GB of device memory; expect an out-of-memory error"
+    )

@@ -1,0 +1,163 @@
+"""Host and device bytes of one MegaTrainStrategy run, item by item, as the engine allocates them.
+
+* host (``engine/store.py``): fp32 master 4 B, fp32 gradient accumulator 4 B, AdamW moments 8 B per
+  parameter (``host_state="compact"``: the master as bf16 + int16 halves 4 B, bf16 moments 4 B, the
+  gradient 4 B); masters and gradients pinned (compact: the bf16 half, which is what is copied); two
+  pinned staging buffers of the gradient path's size when gradients accumulate (``engine/grads.py``);
+  the offloaded block inputs; plus the process itself.
+* device: the rotating slots plus one fixed slot per cached block, one fp32 staging buffer when fp32
+  masters are cast on the device (``engine/slots.py``), two fp32 gradient slabs, the resident parameters
+  as fp32 copies with fp32 gradients, the kept blocks' activations, the saved input of every other block
+  (fp32: the residual stream stays fp32 under bf16 autocast; two in flight with ``offload_inputs``), and
+  the larger of two transients that never coexist: the loss (logits) at the end of the forward, and one
+  block's recompute + backward working set during the backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .run import Run
+from .shape import PlanShape
+
+GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
+GIB = 2**30
+
+MASTER_B, GRAD_B, MOMENTS_B = 4, 4, 8  # host fp32 bytes per parameter, as engine/store.py allocates them
+# Host memory of the process beside the training state: Python, torch, the CUDA runtime, cuBLAS/cuDNN and
+# NCCL libraries mapped in, the data loader. An estimate (a CUDA torch process idles at 2-4 GB RSS).
+PROCESS_OVERHEAD_GB = 3.0
+# Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): unavailable to tensors.
+CUDA_CONTEXT_GB = 1.0
+# Loss bytes per logit element with Hugging Face's loss (bf16 logits, `.float()`, cross_entropy =
+# log_softmax + nll): forward peak 2 (bf16) + 4 (fp32 upcast) + 4 (log_softmax output) = 10; backward
+# peak 4 (saved log_softmax output) + 4 (nll's dense grad) + 4 (log_softmax's input grad) = 12.
+LOGIT_BYTES_FORWARD = 2 + 4 + 4
+LOGIT_BYTES_BACKWARD = 4 + 4 + 4
+STAGING = "grad staging (2 x grad path x 4 B)"
+OFFLOADED = "offloaded block inputs (pinned)"
+PROCESS = "process overhead (estimate)"
+
+
+def resident_part_params(shape: PlanShape, run: Run) -> int:
+    """The larger resident part (``engine/resident.py``): before the blocks (embeddings, a tied head) or
+    after them (an untied head); one part in engines before the split (``head_in_backward`` False)."""
+    after = shape.untied_head() if run.head_in_backward else 0
+    return max(shape.resident_params - after, after)
+
+
+def grad_host_bytes(shape: PlanShape, run: Run) -> float:
+    """Gradients on the host: full-size accumulators (bf16 for blocks with ``half_grads``), or the pool
+    plus the stores larger than a block."""
+    if not run.pooled_grads:
+        block_b = 2 if run.half_grads else GRAD_B
+        return block_b * shape.block_params + GRAD_B * shape.resident_params
+    own = shape.resident_params if shape.resident_params > shape.largest_block else 0
+    return GRAD_B * (run.grad_buffers * shape.largest_block + own)
+
+
+def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
+    """Host memory by item: 16 B/param of state (compact: 12; less with pooled gradients), pinned
+    gradient staging, offloaded inputs, the process."""
+    grad_path = max(shape.largest_block, resident_part_params(shape, run))  # slabs and staging
+    grad_item = (f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads
+                 else "grad buffers (blocks 2 B/param bf16, resident 4)" if run.half_grads
+                 else "fp32 grad accumulator (4 B/param)")
+    if run.compact:
+        state = {
+            "master, bf16 + int16 halves (4 B/param)": MASTER_B * shape.total_params,
+            grad_item: grad_host_bytes(shape, run),
+            "AdamW moments, bf16 (4 B/param)": MOMENTS_B // 2 * shape.total_params,
+        }
+    else:
+        state = {
+            "fp32 master (4 B/param)": MASTER_B * shape.total_params,
+            grad_item: grad_host_bytes(shape, run),
+            "AdamW moments (8 B/param)": MOMENTS_B * shape.total_params,
+        }
+    saved_input = run.work.tokens * shape.hidden * 4
+    e = run.engine
+    offloaded = (shape.layers - min(e.keep_activations, shape.layers)) if e.offload_inputs else 0
+    return {
+        **state,
+        STAGING: 2 * grad_path * 4 if run.work.accumulate > 1 else 0,
+        # torch's caching pinned allocator rounds each saved input up to a power of two
+        OFFLOADED: offloaded * 2 ** math.ceil(math.log2(saved_input)),
+        PROCESS: PROCESS_OVERHEAD_GB * GB,
+    }
+
+
+def pinned_bytes(shape: PlanShape, run: Run) -> float:
+    """Page-locked: masters and gradient accumulators (8 B/param; compact: 2 + 4) and the staging buffers."""
+    master_b = 2 if run.compact else MASTER_B  # compact: only the bf16 half is copied, and pinned
+    host = host_bytes(shape, run)
+    return master_b * shape.total_params + grad_host_bytes(shape, run) + host[STAGING] + host[OFFLOADED]
+
+
+def block_activations_per_token(shape: PlanShape) -> float:
+    """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`)."""
+    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
+    return 30 * h + 6 * kv + 8 * inter
+
+
+def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
+    """Bytes per token a kept block holds with ``kept_saves="matmuls"``: its fp32 input (4h) and the bf16
+    outputs of q/k/v (2h + 4kv), attention (2h), o_proj (2h), gate and up (4I) and down (2h)."""
+    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
+    return 12 * h + 4 * kv + 4 * inter
+
+
+def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float:
+    """Device bytes of one block's recompute and backward (a dense decoder layer, memory-efficient SDPA).
+
+    Per token, under bf16 autocast with an fp32 residual: two RMSNorms (fp32 input 4h + output 2h each:
+    12h), q/k/v (2h + 4kv) and rotated q/k (2h + 2kv), attention output 2h, o_proj output 2h and residual
+    add 4h, MLP gate/up/act/product (8I), down output 2h and residual 4h: 30h + 6kv + 8I; plus backward
+    transients (the fp32 residual gradient 4h, two bf16 MLP gradients 4I), and the block's bf16 parameter
+    gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts is not modelled.
+    """
+    h, inter = shape.hidden, shape.intermediate
+    per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
+    scale = 1 if bf16 else 2  # fp32 activations are twice as wide
+    return scale * (tokens * per_token + 2 * shape.largest_block)
+
+
+def gpu_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
+    """Device memory by item at this micro-batch shape (see `gpu_peak` for how they combine)."""
+    w, e = run.work, run.engine
+    compute_b = 2 if w.bf16 else 4
+    # one fp32 staging buffer when fp32 masters are cast on the device (compact bf16 masters need none)
+    staging = 4 * shape.largest_block if w.bf16 and not run.compact else 0
+    tokens = w.tokens
+    chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
+    logit_tokens = w.loss_chunk_tokens if chunked else tokens
+    keep = min(e.keep_activations, shape.layers)
+    cached = max(keep, min(e.cache_weights, shape.layers))
+    saved = shape.layers - keep
+    scale = 1 if w.bf16 else 2
+    return {
+        f"weight slots ({e.slots} + {cached} cached, x block x {compute_b} B) + staging": (e.slots + cached)
+        * shape.largest_block * compute_b + staging,
+        "grad slabs (2 x grad path x 4 B)": 2 * max(shape.largest_block, resident_part_params(shape, run)) * 4,
+        # fp32 copies of all; gradients of the part before the blocks (the after part's went home at the
+        # first block's backward, before the peak)
+        "resident params + grads": 4 * shape.resident_params
+        + 4 * (shape.resident_params - (shape.untied_head() if run.head_in_backward else 0)),
+        "LM head autocast copy (2 B/param)": 2 * shape.head_params if w.bf16 else 0,
+        "saved block inputs (fp32)": (min(saved, 2) if e.offload_inputs else saved) * tokens * shape.hidden * 4,
+        f"saved: kept activations ({keep} blocks)": keep * tokens * scale * (
+            kept_matmul_outputs_per_token(shape) if e.kept_saves == "matmuls" else block_activations_per_token(shape)),
+        "transient: loss (logits)": logit_tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD),
+        "transient: one block's recompute": block_working_set(shape, tokens, w.bf16),
+    }
+
+
+def lasting_weights(items: dict[str, float]) -> float:
+    """Device bytes that do not depend on the micro-batch shape."""
+    return sum(v for k, v in items.items() if not k.startswith(("transient", "saved")))
+
+
+def gpu_peak(items: dict[str, float]) -> float:
+    """Lasting items plus the larger transient: the loss is freed before the first block's backward."""
+    lasting = sum(v for k, v in items.items() if not k.startswith("transient"))
+    return lasting + max(v for k, v in items.items() if k.startswith("transient"))

@@ -1,0 +1,56 @@
+"""The planner's table: a one-line verdict first, then bytes by item and seconds by phase."""
+
+from __future__ import annotations
+
+from .fit import Plan
+from .memory import GB, GIB
+from .timing import MATMUL_EFFICIENCY
+
+
+def verdict(plan: Plan) -> str:
+    """Fits or not, the predicted step and what bounds it, in one line."""
+    host = f"host {plan.host_total / GB:,.1f} of {plan.host_available / GB:,.0f} GB"
+    gpu = f"GPU {plan.gpu_total / GB:,.1f} of {plan.gpu_available / GB:,.1f} GB"
+    fits = "fits" if plan.fits else "does NOT fit"
+    return (f"verdict: {fits} ({host}, {gpu}); predicted {plan.step_s:.3f} s/step, {plan.tokens_per_s:,.0f} "
+            f"tokens/s, bound by {plan.bottleneck}")
+
+
+def format_plan(plan: Plan) -> str:
+    """The short table the planner prints."""
+    s, w, e = plan.shape, plan.run.work, plan.run.engine
+    n = s.total_params
+    lines = [
+        verdict(plan),
+        "",
+        f"plan: model={plan.model} ({n / 1e9:.3f} B params: {s.layers} blocks of up to {s.largest_block / 1e6:.1f} M, "
+        f"{s.resident_params / 1e6:.1f} M resident) on hardware={plan.hardware}",
+        f"run: micro-batch {w.micro_batch} x seq {w.seq_len}, accumulate {w.accumulate}, loss "
+        f"{'chunks of ' + str(w.loss_chunk_tokens) + ' tokens' if w.loss_chunk_tokens else 'unchunked'}",
+        f"engine: slots {e.slots}, keep {e.keep_activations} ({e.kept_saves}), cache {e.cache_weights}, offload inputs "
+        f"{e.offload_inputs}, host state {e.host_state}, grad buffers {e.grad_buffers}, bf16 grads {e.bf16_grads}",
+        "",
+        f"{'host memory':<44}{'GB':>10}{'B/param':>10}",
+    ]
+    for k, v in plan.host.items():
+        lines.append(f"  {k:<42}{v / GB:>10.2f}{v / n:>10.2f}")
+    lines.append(f"  {'total':<42}{plan.host_total / GB:>10.2f}{plan.host_total / n:>10.2f}"
+                 f"   of {plan.host_available / GB:,.0f} GB")
+    lines.append(f"  {'pinned (masters, grads, staging)':<42}{plan.pinned / GB:>10.2f}{plan.pinned / n:>10.2f}"
+                 f"   {'within' if plan.pinned_ok else 'OVER (pageable copies)'} budget")
+    lines += ["", f"{'GPU memory':<44}{'GB':>10}"]
+    for k, v in plan.gpu.items():
+        lines.append(f"  {k:<42}{v / GB:>10.2f}")
+    lines.append(f"  {'peak (lasting + larger transient)':<42}{plan.gpu_total / GB:>10.2f}"
+                 f"   of {plan.gpu_available / GB:.1f} GB ({plan.gpu_total / GIB:.1f} GiB)")
+    lines += ["", f"{'time per optimizer step':<44}{'s':>10}"]
+    for k, v in plan.times.items():
+        lines.append(f"  {k:<42}{v:>10.3f}")
+    lines += [
+        f"  bottleneck: {plan.bottleneck}; {plan.tokens_per_s:,.0f} tokens/s "
+        f"(at {MATMUL_EFFICIENCY:.0%} of {plan.hardware}'s bf16 peak)",
+        "",
+        f"largest micro-batch at seq {w.seq_len}: {plan.max_micro_batch}; "
+        f"largest seq len at micro-batch {w.micro_batch}: {plan.max_seq_len}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""What the planner plans: a workload (the micro-batch and the step around it) under an EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The micro-batch shape and the step around it: what a run trains on, not where it puts things."""
+
+    micro_batch: int
+    seq_len: int
+    accumulate: int = 1
+    loss_chunk_tokens: int | None = None  # None: Hugging Face's loss over all logits at once
+    bf16: bool = True  # compute dtype bf16 (slots stage fp32 then cast); False: fp32 everywhere
+    clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Run:
+    """A workload under an engine config whose automatic choices are resolved (``grad_buffers`` and
+    ``bf16_grads`` not None: see :func:`~megatrain_lightning.plan.fit.resolve`).
+
+    ``compact_native`` and ``head_in_backward`` describe older engines, for comparisons with their runs:
+    the compact update in torch ops (before commit 12283d1), one resident part (before 2f37add).
+    """
+
+    work: Workload
+    engine: EngineConfig
+    compact_native: bool = True
+    head_in_backward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine.grad_buffers is None or self.engine.bf16_grads is None:
+            raise ValueError("Run needs an EngineConfig with grad_buffers and bf16_grads resolved")
+
+    def replace(self, **changes: object) -> Run:
+        """A copy with Workload or EngineConfig fields (or this class's own) changed."""
+        work = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(Workload)}}
+        eng = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(EngineConfig)}}
+        own = {k: v for k, v in changes.items() if k not in work and k not in eng}
+        return dataclasses.replace(self, work=dataclasses.replace(self.work, **work),
+                                   engine=dataclasses.replace(self.engine, **eng), **own)
+
+    @property
+    def compact(self) -> bool:
+        return self.engine.host_state == "compact"
+
+    @property
+    def grad_buffers(self) -> int:
+        assert self.engine.grad_buffers is not None
+        return self.engine.grad_buffers
+
+    @property
+    def pooled_grads(self) -> bool:
+        """Whether block gradients live in the pool rather than in full-size accumulators."""
+        return self.work.accumulate == 1 and self.grad_buffers > 0 and not self.work.clip
+
+    @property
+    def half_grads(self) -> bool:
+        """Whether block gradients travel and wait on the host as bf16 (straight into the overlapped update)."""
+        return bool(self.engine.bf16_grads) and self.work.bf16 and self.work.accumulate == 1 and not self.work.clip
+
+    @property
+    def run_on(self) -> bool:
+        return self.engine.overlap_optimizer and self.engine.overlap_next_forward and not self.work.clip

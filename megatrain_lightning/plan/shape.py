@@ -1,0 +1,57 @@
+"""What the planner needs of a model: parameter counts and widths, read off a meta-device model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """Counts (parameters) and widths (elements) of a causal LM, as MegaTrainStrategy would stream it."""
+
+    total_params: int  # every parameter once (tied weights once)
+    block_params: int  # sum over the streamed blocks
+    largest_block: int  # parameters of the largest block: the size of a slot
+    resident_params: int  # everything outside the blocks: embeddings, final norm, head
+    head_params: int  # the LM head's matmul weight (the embedding when tied)
+    layers: int
+    heads: int
+    head_dim: int
+    kv_dim: int  # key/value heads x head dim
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: Any) -> PlanShape:
+        """Counts from a Hugging Face causal LM (the meta device is fine); the blocks are the ones
+        MegaTrainStrategy would stream."""
+        from ..blocks import find_blocks
+
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        blocks = [m for _, m in find_blocks(model)]
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        total = sum(p.numel() for p in model.parameters())  # parameters() deduplicates tied weights
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        out = model.get_output_embeddings()
+        return cls(
+            total_params=total,
+            block_params=sum(sizes),
+            largest_block=max(sizes),
+            resident_params=total - sum(sizes),
+            head_params=out.weight.numel() if out is not None else 0,
+            layers=len(blocks),
+            heads=heads,
+            head_dim=head_dim,
+            kv_dim=kv_heads * head_dim,
+            hidden=config.hidden_size,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+            vocab=config.vocab_size,
+        )
+
+    def untied_head(self) -> int:
+        """Parameters of an untied LM head (0 when tied): with the final norm, the resident part after the blocks."""
+        return self.head_params if self.resident_params >= 2 * self.head_params > 0 else 0

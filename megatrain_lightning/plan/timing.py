@@ -1,0 +1,119 @@
+"""Step time of one MegaTrainStrategy run from the hardware's ceilings and the overlap condition.
+
+Nothing here is fitted to measured runs (recipes/results/2026-11-30-planner-vs-measured.md compares):
+each phase takes as long as its slowest resource (device compute, host->device copies, device->host
+copies), and the host AdamW runs beside the last backward and, running on, into the next forward.
+"""
+
+from __future__ import annotations
+
+from ..hardware import HardwareProfile
+from .memory import GB
+from .run import Run
+from .shape import PlanShape
+
+# Fraction of the profile's bf16 matmul peak that a transformer block's forward + backward reaches.
+# DESIGN.md §2: one Llama-7B-shaped layer, bf16 fwd+bwd, ran at ~460 / ~510 / ~505 TFLOPS of real work at
+# 2 K / 8 K / 16 K tokens against the 803 TFLOPS matmul ceiling: 0.57-0.64.
+MATMUL_EFFICIENCY = 0.6
+# DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
+BIDIRECTIONAL_FACTOR = 49.5 / 55
+# DESIGN.md §2: pageable copies 6.7 GB/s against 55 pinned (used when the pinned buffers exceed the budget).
+PAGEABLE_SLOWDOWN = 55 / 6.7
+# host_state="compact": its AdamW against torch's fused fp32 AdamW on the same host, measured with
+# recipes/benchmark_host_adam.py --params 256e6 on the 16-core H200 host (2026-11-30): the one-pass kernel
+# (optim/native_adam.c, 16-18 host bytes/param against fp32's 28) 5.445 against 4.340 G params/s, 1.25x;
+# the chunked torch ops (its fallback without a C compiler; 4 M-element chunks, what 16 threads get)
+# 1.292-1.40 against 4.34-4.41, 0.32x.
+COMPACT_ADAM_SPEED = 1.25
+COMPACT_ADAM_SPEED_CHUNKED = 0.32
+
+_RESOURCES = {
+    "device compute": "compute",
+    "host->device copies": "host->device",
+    "device->host copies": "device->host",
+    "host optimizer": "host optimizer",
+}
+
+
+def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool = True) -> dict[str, float]:
+    """Seconds per phase from the ceilings, and the step from the overlap condition.
+
+    Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
+    kept; the head 2 forward + 4 backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T
+    with recompute (DESIGN.md §6, hardware FLOPs). Copies: a cached block's weights once per step, every
+    other block's twice per micro-batch (forward and recompute), the resident fp32 masters once per step;
+    every gradient once per micro-batch back. Host work beside the backward: from the second micro-batch
+    on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
+    against AdamW's 28, so at 12/28 of the AdamW rate); in the last one it also runs AdamW per block as
+    its gradient lands, slowed by the copies that share host memory bandwidth with it; the resident
+    part's update follows the backward. Running on (``overlap_next_forward``), the block updates the
+    backward leaves undone run during the next forward instead of before it; pooled gradient buffers
+    bound how many are left (the backward waits for a free buffer), so the forward can hide at most
+    ``grad_buffers`` blocks' updates.
+    """
+    w, e = run.work, run.engine
+    tokens = w.tokens
+    rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
+    link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
+    chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
+    layers = max(shape.layers, 1)
+    keep = min(e.keep_activations, layers)
+    cached = max(keep, min(e.cache_weights, layers))
+    recompute = (layers - keep) / layers  # fraction of the blocks recomputed in the backward
+    streamed = (layers - cached) / layers  # fraction of the block weights copied per micro-batch
+    attn = 4 * shape.layers * shape.heads * shape.head_dim * w.seq_len  # per token, one pass
+    fwd_flops = tokens * (2 * shape.block_params + 2 * shape.head_params + attn)
+    bwd_flops = tokens * ((4 + 2 * recompute) * shape.block_params + (6 if chunked else 4) * shape.head_params
+                          + (2 + recompute) * attn)
+    dev_fwd, dev_bwd = fwd_flops / rate, bwd_flops / rate
+    weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
+    h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
+    h2d_fwd = weight_b * shape.block_params * streamed / link
+    h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
+    grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
+    d2h_bwd = (grad_b * shape.block_params + 4 * shape.resident_params) / (link * BIDIRECTIONAL_FACTOR)
+    compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
+    adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
+    adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
+    # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
+    # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.
+    adam_after = shape.untied_head() / adam_rate if run.head_in_backward and not w.clip else 0.0
+    adam_before = adam_resident - adam_after
+    add = 12 / 28 * shape.total_params / adam_rate  # one host accumulation of every gradient
+    # The AdamW rate is host memory bandwidth (28 B/param). Beside it in the last backward, the gradient
+    # copies write 4 (bf16: 2) B/param into host memory and the re-streamed blocks' masters are read
+    # again: the update gets that much less of the same bandwidth. With bf16 gradients the one-pass kernel
+    # reads 2 B/param of gradient instead of 4: 26 bytes.
+    adam_b = 26 if run.half_grads else 28
+    shared = (adam_b + grad_b + weight_b * streamed) / 28
+    adam_blocks *= shared
+    bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
+    fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
+    if w.accumulate == 1:
+        last_host = adam_blocks + adam_after  # host work in the last backward
+        before_last = fwd_first
+    else:
+        last_host = add + adam_blocks + adam_after
+        before_last = (fwd_first + bwd) + (w.accumulate - 2) * (fwd + max(bwd, add)) + fwd
+    if run.run_on:
+        # The next step's first forward (fwd_first, as in the steady state) hides what is left over.
+        pool = min(1.0, run.grad_buffers / layers) if run.pooled_grads else 1.0
+        step = adam_before + max(before_last + bwd, before_last + last_host - pool * adam_blocks,
+                                 before_last - fwd_first + last_host)
+    else:
+        step = before_last + max(bwd, last_host) + adam_before
+    return {
+        "device compute": w.accumulate * (dev_fwd + dev_bwd),
+        "host->device copies": h2d_fwd_first + (w.accumulate - 1) * h2d_fwd + w.accumulate * h2d_bwd,
+        "device->host copies": w.accumulate * d2h_bwd,
+        "host optimizer": adam_blocks + adam_resident + (w.accumulate - 1) * add,
+        "forward (one micro-batch)": fwd,
+        "backward (one micro-batch)": bwd,
+        "step": step,
+    }
+
+
+def bottleneck(times: dict[str, float]) -> str:
+    """The resource busy for the largest part of the step."""
+    return _RESOURCES[max(_RESOURCES, key=lambda k: times[k])]
