@@ -1,12 +1,15 @@
-"""How much host memory this process may really use: MemTotal/MemAvailable, capped by its cgroup's limit.
+"""How much host memory this process may really use: MemTotal/MemAvailable, capped by its cgroup's limit
+and by its address-space limit (``ulimit -v``).
 
 A container's limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``) is what the out-of-memory
-killer enforces, whatever ``/proc/meminfo`` says about the machine. Lightning-free; read afresh on each call.
+killer enforces, whatever ``/proc/meminfo`` says about the machine; ``ulimit -v`` makes allocations past it
+fail. Lightning-free; read afresh on each call.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -65,9 +68,30 @@ def total_bytes() -> int:
     return min(total, cg[0]) if cg else total
 
 
+def meminfo_available() -> int:
+    """MemAvailable of /proc/meminfo (the whole machine's view)."""
+    return _meminfo().get("MemAvailable", total_bytes())
+
+
+def address_space_headroom() -> int | None:
+    """Bytes of address space left under ``ulimit -v`` (RLIMIT_AS), or None where there is no such limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        size = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, soft - size)
+
+
 def available_bytes() -> int:
-    """Host memory this process can still allocate now: MemAvailable, or its cgroup's headroom if lower."""
+    """Host memory this process can still allocate now: MemAvailable, or its cgroup's or its address-space
+    limit's headroom if lower."""
     info = _meminfo()
     available = info.get("MemAvailable", total_bytes())
     cg = cgroup_limit()
-    return min(available, max(0, cg[0] - cg[1])) if cg else available
+    if cg:
+        available = min(available, max(0, cg[0] - cg[1]))
+    vm = address_space_headroom()
+    return available if vm is None else min(available, vm)

@@ -24,9 +24,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from . import host_memory
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .config import EngineConfig
+from .plan.fit import check_host_at_setup, setup_shape
 from .engine import StreamingEngine
 from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
@@ -161,6 +163,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             if getattr(b, "gradient_checkpointing", False):
                 b.gradient_checkpointing = False  # the engine recomputes every block already
         module._apply(lambda t: t if t.is_meta else t.cpu())  # meta tensors are materialised below
+        self._check_host_memory(module, blocks, trainer)
         # The store comes first: a meta-built model is materialised into it block by block, and the
         # optimizer must then be built on the materialised parameters.
         self.engine = StreamingEngine(
@@ -184,6 +187,21 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             chain_zero_grad(wrapper, self.engine.zero_grad)
         chain_zero_grad(module, self.engine.zero_grad)
         module._device = self.root_device  # LightningModule.device reports where the batches go
+
+    def _check_host_memory(self, module: pl.LightningModule, blocks: Sequence[torch.nn.Module], trainer: pl.Trainer) -> None:
+        """Refuse, before the store allocates anything, a model whose host state cannot fit the memory this
+        process may still take (MemAvailable, capped by a cgroup limit), naming the numbers and the fix."""
+        params = {id(p): p for p in module.parameters()}
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        # fp32 parameters that already exist on the host become views of the store: their memory is released
+        released = sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta)
+        limit, vm = host_memory.cgroup_limit(), host_memory.address_space_headroom()
+        note = f"MemAvailable {host_memory.meminfo_available() / 1e9:,.1f} GB" + (
+            f", cgroup limit {limit[0] / 1e9:,.1f} GB with {limit[1] / 1e9:,.1f} GB in use" if limit else "") + (
+            f", {vm / 1e9:,.1f} GB of address space left under ulimit -v" if vm is not None else "")
+        check_host_at_setup(type(module).__name__, setup_shape(sum(p.numel() for p in params.values()), sizes),
+                            self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
+                            released, host_memory.available_bytes(), note)
 
     def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         for m in module.modules():

@@ -176,3 +176,37 @@ def device_state_warning(num_params: int, device_memory_gb: float, strategy: str
         f"strategy={strategy} keeps {BASELINE_STATE_BYTES_PER_PARAM} B/param of training state on the device: "
         f"{need / GB:,.0f} GB > {device_memory_gb:,.0f} GB of device memory; expect an out-of-memory error"
     )
+
+
+def setup_shape(total_params: int, block_sizes: list[int]) -> PlanShape:
+    """Counts of a module about to be streamed, for the host check at setup (any module: widths unknown)."""
+    blocks = sum(block_sizes)
+    return PlanShape(total_params=total_params, block_params=blocks, largest_block=max(block_sizes, default=0),
+                     resident_params=total_params - blocks, head_params=0, layers=len(block_sizes), heads=1,
+                     head_dim=1, kv_dim=1, hidden=1, intermediate=1, vocab=1)
+
+
+def check_host_at_setup(model: str, shape: PlanShape, engine: EngineConfig, accumulate: int, clip: bool,
+                        released_bytes: float, available_bytes: float, limit_note: str) -> float:
+    """Before the host store is built: refuse when its masters, gradients and Adam moments cannot fit in the
+    host memory this process may still take (``available_bytes``: MemAvailable, or its cgroup's headroom),
+    with the numbers and what to change. ``released_bytes``: the host parameter tensors the store replaces.
+    With ``grad_buffers=None`` the smaller footprint (a pool) is checked: the engine takes its own
+    accumulators only where they fit. Returns the bytes needed."""
+    if engine.grad_buffers is None:
+        engine = dataclasses.replace(engine, grad_buffers=4)
+    run = Run(Workload(micro_batch=1, seq_len=1, accumulate=accumulate, bf16=False, clip=clip),
+              dataclasses.replace(engine, bf16_grads=False))
+    items = host_bytes(shape, run)
+    need = sum(items.values()) - items[PROCESS] - items[OFFLOADED] - released_bytes  # the process already runs
+    if need > available_bytes:
+        per_param = (need + released_bytes) / max(shape.total_params, 1)
+        compact = (", EngineConfig(host_state='compact') (strategy.engine.host_state=compact in train.py: 4 B/param "
+                   "less)" if engine.host_state != "compact" else "")
+        raise ConfigError(
+            f"MegaTrainStrategy: {model} has {shape.total_params / 1e9:.3f} B parameters, whose host store (fp32 "
+            f"masters, gradients and AdamW moments, {per_param:.1f} B/param) needs {need / GB:,.1f} GB more host "
+            f"memory, but this process may take only {available_bytes / GB:,.1f} GB ({limit_note}): choose a smaller "
+            f"model{compact}, free host memory, or run on a machine with more of it"
+        )
+    return need
