@@ -209,11 +209,11 @@ class EngineProbe(pl.Callback):
 
 
 def assert_blocks_streamed(probe: EngineProbe, n_blocks: int, steps: int) -> None:
-    """Every block's gradients came home through the engine once per step (``engine.counters.d2h``,
+    """Every block's gradients came home through the engine once per step (``engine.stats.d2h``,
     keyed by block index): the blocks really streamed in the backward, rather than running as plain host
     modules (which the CPU tolerates and a GPU would not: host weights, device activations)."""
     assert probe.engine is not None, "EngineProbe saw no engine"
-    d2h = probe.engine.counters.d2h
+    d2h = probe.engine.stats.d2h
     short = {i: d2h.get(i, 0) for i in range(n_blocks) if d2h.get(i, 0) < steps}
     assert not short, f"blocks whose gradients did not come home through the engine in each of {steps} steps: {short}"
 
