@@ -111,12 +111,12 @@ def test_contiguous_host_tensors_are_not_copied(tmp_path: Path, monkeypatch: pyt
     seen: list[dict[str, torch.Tensor]] = []
     real = cio._write_shard
 
-    def spy(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    def spy(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
         seen.append(dict(tensors))
-        real(tensors, path)
+        return real(tensors, path)
 
     monkeypatch.setattr(cio, "_write_shard", spy)
-    ShardedCheckpointIO().save_checkpoint({"state_dict": {**views, "t": views["a"].t()}}, tmp_path / "c")
+    ShardedCheckpointIO(single_file_max_bytes=0).save_checkpoint({"state_dict": {**views, "t": views["a"].t()}}, tmp_path / "c")
     (written,) = seen
     ptrs = {t.data_ptr() for t in written.values()}
     assert views["a"].data_ptr() in ptrs and views["b"].data_ptr() in ptrs
@@ -161,12 +161,12 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch:
     calls = 0
     real = cio._write_shard
 
-    def fail_on_second(tensors: dict[str, torch.Tensor], shard_path: Path) -> None:
+    def fail_on_second(tensors: dict[str, torch.Tensor], shard_path: Path) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise exc
-        real(tensors, shard_path)
+        return real(tensors, shard_path)
 
     monkeypatch.setattr(cio, "_write_shard", fail_on_second)
     with pytest.raises(type(exc)):
@@ -201,7 +201,7 @@ def test_trainer_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """2 epochs of 3 batches; a ModelCheckpoint at the end of epoch 1 (through the strategy's default
     checkpoint_io, with tiny shards); a fresh Trainer and module (another seed) resume from it and end
     with exactly the uninterrupted run's weights."""
-    monkeypatch.setattr(ShardedCheckpointIO.__init__, "__defaults__", (4096,))  # tiny shards by default
+    monkeypatch.setattr(ShardedCheckpointIO.__init__, "__defaults__", (4096, None))  # tiny shards: a directory
     factory = partial(TinyLlama, n_train=12, batch_size=4, optimizer="adamw", scheduler=True)
     full = fit(factory, "megatrain", max_epochs=2, max_steps=-1)
     assert len(full.losses) == 6
@@ -224,14 +224,18 @@ def test_trainer_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     tensors_equal(full.state, resumed.state, "resumed vs uninterrupted state_dict")
 
 
-def test_top_k_last_and_link(tmp_path: Path) -> None:
-    """ModelCheckpoint's bookkeeping works with directories: save_top_k removes the older ones,
+@pytest.mark.parametrize("fmt", ["file", "directory"])
+def test_top_k_last_and_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """ModelCheckpoint's bookkeeping works with both formats: save_top_k removes the older ones,
     save_last writes `last.ckpt` (a copy, then a symbolic link), and `ckpt_path="last"` resumes."""
+    if fmt == "directory":
+        monkeypatch.setattr(ShardedCheckpointIO.__init__, "__defaults__", (4096, 0))
     factory = partial(TinyLlama, n_train=12, batch_size=4)
     kw: dict[str, Any] = dict(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, monitor="step", mode="max")
     fit(factory, "megatrain", max_steps=3, callbacks=[ModelCheckpoint(save_last=True, **kw)], enable_checkpointing=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
-    assert (tmp_path / "last.ckpt").is_dir() and not (tmp_path / "last.ckpt").is_symlink()
+    last = tmp_path / "last.ckpt"
+    assert (last.is_dir() if fmt == "directory" else last.is_file()) and not last.is_symlink()
     run = fit(factory, "megatrain", max_steps=5, callbacks=[ModelCheckpoint(save_last="link", **kw)],
               enable_checkpointing=True, ckpt_path="last")
     assert run.trainer.global_step == 5
