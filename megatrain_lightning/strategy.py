@@ -126,7 +126,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             of the weight) makes the gradient dense, which a run-time check turns into an error. Not yet
             measured on a GPU: off by default.
         checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
-            (a directory of safetensors shards, written a shard at a time and atomically).
+            (one ``torch.save`` file when small, a directory of checksummed safetensors shards when large;
+            written atomically, verified at load; docs/checkpoints.md). Its ``tidy`` runs at setup on each
+            ModelCheckpoint directory, removing what a hard kill of an earlier run left there.
         accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
     """
@@ -189,6 +191,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._explicit_device = torch.device(device) if device is not None else None
         self.parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
+        self._pending_model_state: tuple[Mapping[str, Any], bool] | None = None
         self.precision_plugin = precision_plugin  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ device and precision
@@ -238,6 +241,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._tidy_checkpoint_dirs(trainer)
         module = self.lightning_module
         assert module is not None
         precision = self.precision_plugin
@@ -268,6 +272,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             bf16_grads=self.bf16_grads,
             split_embedding_update=self.split_embedding_update,
         )
+        if self._pending_model_state is not None:  # a checkpoint restored before setup
+            pending, self._pending_model_state = self._pending_model_state, None
+            self.load_model_state_dict(*pending)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         stores = self.engine.all_stores()
@@ -281,6 +288,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             chain_zero_grad(wrapper, self.engine.zero_grad)
         chain_zero_grad(module, self.engine.zero_grad)
         module._device = self.root_device  # LightningModule.device reports where the batches go
+
+    def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
+        """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary
+        siblings; a checkpoint moved aside mid-replace) is cleaned up at the start of this one."""
+        tidy = getattr(self.checkpoint_io, "tidy", None)
+        if tidy is None or not trainer.is_global_zero:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            dirpath = getattr(cb, "dirpath", None)
+            if dirpath and "://" not in str(dirpath):
+                tidy(dirpath)
 
     def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         for m in module.modules():
@@ -299,6 +317,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        self._pending_model_state = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -400,7 +419,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the host store once it exists, so the views stay the parameters
+        # Lightning's own order (before setup): only that path hands `fit(..., weights_only=...)` to
+        # load_checkpoint (the after-setup one drops it, lightning 2.6). The module's on_load_checkpoint
+        # and the callbacks' state run before setup, as under SingleDeviceStrategy; the weights wait in
+        # load_model_state_dict until setup has built the host store.
+        return False
 
     @override
     def on_train_end(self) -> None:
@@ -418,10 +441,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is None:
+            # Before setup (see restore_checkpoint_after_setup): kept until the host store exists, then
+            # copied into its views. Buffer lifetime: a reference to the loaded dict, dropped at setup.
+            self._pending_model_state = (checkpoint, strict)
+            return
         self._settle()
         super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views
-        if self.engine is not None:
-            self.engine.weights_changed()
+        self.engine.weights_changed()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
