@@ -101,11 +101,11 @@ def replace(new: Path, out: Path) -> None:
             return
         old = sibling(out, "old")
         try:
-            os.replace(out, old)
+            _move(out, old)
             try:
-                os.replace(new, out)
+                _move(new, out)
             except BaseException:
-                os.replace(old, out)
+                _move(old, out)
                 raise
             fsync_dir(parent)
             _delete(old)
@@ -113,6 +113,11 @@ def replace(new: Path, out: Path) -> None:
             release(old)
     finally:
         release(new)
+
+
+def _move(src: Path, dst: Path) -> None:
+    """One rename of the two-rename replace; tests kill a process between two of them here."""
+    os.replace(src, dst)
 
 
 def remove(path: Path) -> None:

@@ -161,6 +161,31 @@ def read_shard(path: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def verify_shard(path: Path, entry: dict[str, Any]) -> int:
+    """The checks of :func:`read_shard` without keeping the tensors: the bytes stream through two
+    scratch buffers of ``CHUNK`` bytes (one read while the other is hashed). Returns where the data
+    starts in the file."""
+    size = _size(path)
+    if size != entry["bytes"]:
+        what = "truncated" if size < entry["bytes"] else "longer than written"
+        raise CheckpointError(f"{path}: {size} bytes where {entry['bytes']} were written ({what})")
+    buffers = [memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK))]
+    with _open(path) as f, Crc32() as crc:
+        header, prefix = _read_header(f, path, size)
+        crc.update(prefix)
+        _check_header(header, entry["tensors"], path)
+        left, turn = size - len(prefix), 0
+        while left:
+            chunk = buffers[turn][: min(CHUNK, left)]  # free: its last hash was waited for by the update before
+            _read_into(f, chunk, path)
+            crc.update(chunk)
+            left, turn = left - len(chunk), 1 - turn
+        digest = crc.hexdigest()
+    if digest != entry["crc32"]:
+        raise CheckpointError(f"{path}: CRC32 {digest} where {entry['crc32']} was written (the file's bytes changed)")
+    return len(prefix)
+
+
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and where its data starts (for files without an index)."""
     size = _size(path)
