@@ -210,6 +210,8 @@ def _verify_torch_file(path: Path) -> None:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"PK\x03\x04":
+        if magic[:1] != b"\x80":  # a legacy torch file is a pickle (protocol 2+)
+            raise CheckpointError(f"{path}: not a torch checkpoint (neither a zip nor a pickle); {_WHAT_TO_DO}")
         return
     try:
         with zipfile.ZipFile(path) as z:
@@ -235,8 +237,8 @@ def _torch_load(source: Any, name: Path, map_location: Any, weights_only: bool |
             return pl_load(source, map_location=map_location, weights_only=weights_only)
         return torch.load(source, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        if weights_only is False:
-            raise
+        if weights_only is False or "Weights only load failed" not in str(err):
+            raise CheckpointError(f"{name}: not readable as a torch checkpoint ({_first_line(err)}); {_WHAT_TO_DO}") from err
         raise _WeightsOnlyRefused(
             f"{name}: torch.load(weights_only=True) refuses an object in this checkpoint ({_first_line(err)}). "
             "If you trust its source, load it with weights_only=False: Trainer.fit(model, ckpt_path=..., "

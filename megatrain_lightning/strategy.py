@@ -441,14 +441,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.engine is None:
-            # Before setup (see restore_checkpoint_after_setup): kept until the host store exists, then
-            # copied into its views. Buffer lifetime: a reference to the loaded dict, dropped at setup.
+        module = self.lightning_module
+        if self.engine is None and module is not None and _has_meta_tensors(module):
+            # Before setup (see restore_checkpoint_after_setup) on a meta-built module, whose tensors would
+            # drop the values: kept until setup has materialised the host store, then copied into its views.
+            # Buffer lifetime: a reference to the loaded dict, dropped at setup (or teardown).
             self._pending_model_state = (checkpoint, strict)
             return
         self._settle()
-        super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views
-        self.engine.weights_changed()
+        super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views (or the module)
+        if self.engine is not None:
+            self.engine.weights_changed()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -478,6 +481,10 @@ _MODULE_HOOKS_BETWEEN_STEPS = tuple(
     and n not in ("on_before_batch_transfer", "on_after_batch_transfer")  # batches, not weights
 )
 _CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") and n not in _BEFORE_TRAINING)
+
+
+def _has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _leaves_weights_alone(callback: pl.Callback) -> bool:

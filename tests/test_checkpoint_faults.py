@@ -407,6 +407,32 @@ def test_remove_renames_before_deleting(tmp_path: Path, monkeypatch: pytest.Monk
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_saving_over_a_link_replaces_the_link_not_its_target(tmp_path: Path, fmt: str) -> None:
+    """save_last="link" leaves `last.ckpt` a symbolic link; a later save_last=True saves over it."""
+    io = ShardedCheckpointIO(**FORMATS[fmt])
+    target, last = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(20000)}}, target)
+    last.symlink_to(target.name)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(20000)}}, last)
+    assert not last.is_symlink() and _hidden(tmp_path) == []
+    assert bool((io.load_checkpoint(target)["state_dict"]["w"] == 0).all())
+    assert bool((io.load_checkpoint(last)["state_dict"]["w"] == 1).all())
+    io.remove_checkpoint(last)
+    last.symlink_to(target.name)
+    io.remove_checkpoint(last)  # removing a link leaves what it points to
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_a_file_that_is_no_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "x.ckpt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="x.ckpt: not a torch checkpoint"):
+        ShardedCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    (tmp_path / "d.ckpt").mkdir()
+    with pytest.raises(CheckpointError, match="d.ckpt: a directory without index.json"):
+        ShardedCheckpointIO().load_checkpoint(tmp_path / "d.ckpt")
+
+
 def _dead_pid() -> int:
     pid = os.fork()
     if pid == 0:

@@ -415,3 +415,52 @@ def test_consolidate_memory_is_bounded(tmp_path: Path) -> None:
     grew = r["peak"] - r["before"]
     print(f"\nconsolidating {r['bytes'] / 2**20:.0f} MiB raised anonymous memory by {grew / 2**20:.1f} MiB")
     assert grew < 0.25 * r["bytes"], f"consolidating {r['bytes'] / 2**20:.0f} MiB grew anonymous memory by {grew / 2**20:.0f} MiB"
+
+
+def test_older_formats_still_load(tmp_path: Path) -> None:
+    """A format-1 directory (before index.json: no checksums) and a pre-zip torch file."""
+    import safetensors.torch
+
+    w = torch.randn(3, 4)
+    v1 = tmp_path / "v1.ckpt"
+    v1.mkdir()
+    safetensors.torch.save_file({"0": w}, str(v1 / "shard-00001.safetensors"), metadata={"format": "pt"})
+    ph = {cio._PLACEHOLDER: 1, "shard": "shard-00001.safetensors", "key": "0", "dtype": "float32", "shape": [3, 4]}
+    torch.save({"format_version": 1, "checkpoint": {"state_dict": {"w": ph}, "epoch": 2}}, v1 / cio.META_NAME)
+    tensors_equal({"state_dict": {"w": w}, "epoch": 2}, ShardedCheckpointIO().load_checkpoint(v1))
+    torch.save({"w": w}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    tensors_equal({"w": w}, ShardedCheckpointIO().load_checkpoint(tmp_path / "legacy.ckpt"))
+
+
+class MetaBuiltLlama(TinyLlama):
+    """TinyLlama built in `configure_model`: on the meta device under megatrain, materialised at setup."""
+
+    def build_model(self) -> Any:
+        return None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = TinyLlama.build_model(self)
+
+
+def test_resume_of_a_meta_built_module_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning restores before setup (so that fit(weights_only=...) reaches the loader): the weights of
+    a module still on the meta device wait until setup has built the host store."""
+    from megatrain_lightning import MegaTrainStrategy
+
+    factory = partial(MetaBuiltLlama, n_train=12, batch_size=4)
+    full = fit(factory, "megatrain", max_epochs=2, max_steps=-1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    fit(factory, "megatrain", max_epochs=1, max_steps=-1, callbacks=[ckpt], enable_checkpointing=True)
+    waited: list[bool] = []
+    real_setup = MegaTrainStrategy.setup
+
+    def setup(self: Any, trainer: Any) -> None:
+        waited.append(self._pending_model_state is not None)
+        real_setup(self, trainer)
+
+    monkeypatch.setattr(MegaTrainStrategy, "setup", setup)
+    resumed = fit(factory, "megatrain", seed=1, max_epochs=2, max_steps=-1, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert waited == [True]
+    assert resumed.losses == full.losses[3:]
+    tensors_equal(full.state, resumed.state, "resumed vs uninterrupted state_dict")
