@@ -510,6 +510,12 @@ def _swap_index_entries(ckpt: Path) -> None:
     (ckpt / INDEX_NAME).write_text(json.dumps(index, indent=1))
 
 
+def _swap_shard_files(ckpt: Path) -> None:
+    a, b = _shard(ckpt, 2), _shard(ckpt, 3)
+    tmp = ckpt / "swap"
+    a.rename(tmp), b.rename(a), tmp.rename(b)
+
+
 def _data_offset(shard: Path) -> int:
     n, header = _header(shard)
     spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
@@ -535,6 +541,7 @@ DAMAGE: dict[str, tuple[str, str, Any]] = {
     "relabelled dtype": ("directory", "shard-00002.safetensors", lambda c: _rewrite_header(_shard(c), _relabel)),
     "swapped header entries": ("directory", "shard-00002.safetensors", lambda c: _rewrite_header(_shard(c), _swap_entries)),
     "swapped index entries": ("directory", INDEX_NAME, _swap_index_entries),
+    "swapped shard files": ("directory", "shard-0000", _swap_shard_files),
     "corrupt index.json": ("directory", INDEX_NAME, lambda c: _flip(c / INDEX_NAME, 40)),
     "truncated meta.pt": ("directory", META_NAME, lambda c: _truncate(c / META_NAME, 50)),
     "corrupt meta.pt": ("directory", META_NAME, lambda c: _flip(c / META_NAME, (c / META_NAME).stat().st_size // 3)),
