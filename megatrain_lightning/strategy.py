@@ -52,8 +52,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             the Hugging Face model's ``_init_weights`` or each module's ``reset_parameters()``. Values
             are drawn afresh, so they differ from an eager build with the same seed. Modules built in
             ``__init__`` are real already and are moved into the store as they are.
-        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy. ``checkpoint_io``
-            defaults to :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`; a precision plugin
+        checkpoint_io: how checkpoints are written; default :class:`~megatrain_lightning.checkpoint_io.ShardedCheckpointIO`
+            (one ``torch.save`` file when small, a directory of checksummed safetensors shards when large;
+            written atomically, verified at load; docs/checkpoints.md). Its ``tidy`` runs at setup on each
+            ModelCheckpoint directory, removing what a hard kill of an earlier run left there.
+        accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
 
     The overlap of the host optimizer (``EngineConfig.overlap_optimizer``) applies when it is exact: one
@@ -90,6 +93,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._explicit_device = torch.device(device) if device is not None else None
         self._parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
+        self._pending_model_state: tuple[Mapping[str, Any], bool] | None = None
         self.precision_plugin = precision_plugin  # type: ignore[assignment]
 
     @property
@@ -153,6 +157,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._tidy_checkpoint_dirs(trainer)
         module = self.lightning_module
         assert module is not None
         precision = self.precision_plugin
@@ -174,6 +179,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             config=self.config.for_blocks(len(blocks)),
             init=initializer_for(module),
         )
+        if self._pending_model_state is not None:  # a checkpoint restored before setup
+            pending, self._pending_model_state = self._pending_model_state, None
+            self.load_model_state_dict(*pending)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         stores = self.engine.all_stores()
@@ -203,6 +211,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                             self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
                             released, host_memory.available_bytes(), note)
 
+    def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
+        """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary
+        siblings; a checkpoint moved aside mid-replace) is cleaned up at the start of this one."""
+        tidy = getattr(self.checkpoint_io, "tidy", None)
+        if tidy is None or not trainer.is_global_zero:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            dirpath = getattr(cb, "dirpath", None)
+            if dirpath and "://" not in str(dirpath):
+                tidy(dirpath)
+
     def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         for m in module.modules():
             cfg = getattr(m, "config", None)
@@ -220,6 +239,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        self._pending_model_state = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -321,7 +341,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the host store once it exists, so the views stay the parameters
+        # Lightning's own order (before setup): only that path hands `fit(..., weights_only=...)` to
+        # load_checkpoint (the after-setup one drops it, lightning 2.6). The module's on_load_checkpoint
+        # and the callbacks' state run before setup, as under SingleDeviceStrategy; the weights wait in
+        # load_model_state_dict until setup has built the host store.
+        return False
 
     @override
     def on_train_end(self) -> None:
@@ -339,8 +363,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        if self.engine is None and module is not None and _has_meta_tensors(module):
+            # Before setup (see restore_checkpoint_after_setup) on a meta-built module, whose tensors would
+            # drop the values: kept until setup has materialised the host store, then copied into its views.
+            # Buffer lifetime: a reference to the loaded dict, dropped at setup (or teardown).
+            self._pending_model_state = (checkpoint, strict)
+            return
         self._settle()
-        super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views
+        super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views (or the module)
         if self.engine is not None:
             self.engine.weights_changed()
 
@@ -372,6 +403,10 @@ _MODULE_HOOKS_BETWEEN_STEPS = tuple(
     and n not in ("on_before_batch_transfer", "on_after_batch_transfer")  # batches, not weights
 )
 _CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") and n not in _BEFORE_TRAINING)
+
+
+def _has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _leaves_weights_alone(callback: pl.Callback) -> bool:

@@ -151,6 +151,7 @@ def fit(
     precision: str = "32-true",
     callbacks: Sequence[Callback] = (),
     ckpt_path: str | None = None,
+    weights_only: bool | None = None,
     record_grad_norms: bool = False,
     **trainer_kwargs: Any,
 ) -> RunResult:
@@ -159,7 +160,7 @@ def fit(
     The global seed is set before building the module AND again right before `fit`, so that
     dropout draws the same masks in both runs. Defaults: 8 steps, no logger, no checkpoints,
     no progress bar or summary, no validation (pass `limit_val_batches` to enable it),
-    `deterministic=True`.
+    `deterministic=True`. `ckpt_path` and `weights_only` go to `trainer.fit`.
     """
     pl.seed_everything(seed, verbose=False)
     module = factory()
@@ -181,7 +182,7 @@ def fit(
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(strategy=resolve_strategy(strategy), callbacks=[recorder, *callbacks], **kwargs)
     pl.seed_everything(seed, verbose=False)
-    trainer.fit(module, ckpt_path=ckpt_path)
+    trainer.fit(module, ckpt_path=ckpt_path, weights_only=weights_only)
     for loss in recorder.losses:
         assert math.isfinite(loss), f"non-finite training loss: {recorder.losses}"
     return RunResult(module, trainer, recorder, init_state, _clone_state(module))
