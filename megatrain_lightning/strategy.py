@@ -163,10 +163,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         self._check_supported(module, trainer)
-        blocks = [m for _, m in find_blocks(module, self.block_class)]
-        for b in blocks:
-            if getattr(b, "gradient_checkpointing", False):
-                b.gradient_checkpointing = False  # the engine recomputes every block already
+        named_blocks = find_blocks(module, self.block_class)
+        blocks = [m for _, m in named_blocks]
+        _refuse_running_statistics(named_blocks)
+        # Hugging Face's own checkpointing flag, off while the engine recomputes every block; the user's
+        # setting is back after fit (teardown)
+        self._user_checkpointing = {id(b): (b, b.gradient_checkpointing) for b in blocks
+                                    if getattr(b, "gradient_checkpointing", False)}
+        for b, _ in self._user_checkpointing.values():
+            b.gradient_checkpointing = False
         module._apply(lambda t: t if t.is_meta else t.cpu())  # meta tensors are materialised below
         self._check_host_memory(module, blocks, trainer)
         # The store comes first: a meta-built model is materialised into it block by block, and the
@@ -184,6 +189,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self.load_model_state_dict(*pending)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        # what the optimizers hold trains, even if it does not require grad now (BaseFinetuning, GANs)
+        self.engine.make_trainable([p for opt in self.optimizers for g in opt.param_groups for p in g["params"]])
         stores = self.engine.all_stores()
         hosts = {id(opt): HostOptimizer(opt, stores, self.engine.zero_grad) for opt in self.optimizers}
         # Every zero_grad a user can reach must also clear the gradients the engine parks mid-step: the
@@ -194,6 +201,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         for wrapper in self._lightning_optimizers:
             chain_zero_grad(wrapper, self.engine.zero_grad)
         chain_zero_grad(module, self.engine.zero_grad)
+        # a load_state_dict from anywhere (a callback, the user) writes the masters: device copies follow
+        self._hooks = [module.register_load_state_dict_post_hook(lambda *_: self._weights_written())]
+        # whether code other than the engine may write the weights between steps (then copies are refreshed)
+        self._outside_writers = self._writers_between_steps(module, trainer)
         module._device = self.root_device  # LightningModule.device reports where the batches go
 
     def _check_host_memory(self, module: pl.LightningModule, blocks: Sequence[torch.nn.Module], trainer: pl.Trainer) -> None:
@@ -237,9 +248,34 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         ):
             raise ValueError(f"unsupported gradient_clip_algorithm {trainer.gradient_clip_algorithm}")
 
+    def _writers_between_steps(self, module: pl.LightningModule, trainer: pl.Trainer) -> bool:
+        """Whether a hook of the module, or a callback not known to leave the weights alone, runs between
+        steps (it may write the weights: an EMA swap, a ``p.data.copy_``, ``load_state_dict``). A module or
+        callback declares ``megatrain_reads_weights = False`` when its hooks neither read nor write them."""
+        if _module_hooks_touch_weights(module):
+            return True
+        return not all(_leaves_weights_alone(cb) for cb in trainer.callbacks)
+
+    def _weights_written(self) -> None:
+        if self.engine is not None:
+            self.engine.weights_changed()
+
+    def _refresh_if_written(self) -> None:
+        """Before a step: if anything but the engine may have written the weights since the last one, take
+        what it wrote (``engine.reclaim``). Without such hooks or callbacks this costs nothing: an
+        optimizer step refreshes the device copies anyway."""
+        if self.engine is not None and getattr(self, "_outside_writers", False):
+            self.engine.reclaim()
+
     @override
     def teardown(self) -> None:
         self._pending_model_state = None
+        for b, flag in getattr(self, "_user_checkpointing", {}).values():
+            b.gradient_checkpointing = flag
+        self._user_checkpointing = {}
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -258,6 +294,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ steps
     @contextmanager
     def _step(self, wait: bool) -> Generator[None, None, None]:
+        """One call of the user's step function; a training step (``wait=False``) has its backward to come."""
         engine = self.engine
         if engine is None:
             yield
@@ -267,16 +304,29 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         try:
             yield
         finally:
-            engine.end_call()
+            engine.end_call(backward_follows=not wait)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_trainable()
+        self._refresh_if_written()
         with self._step(wait=False):
             if self.engine is not None:
                 host = self._overlap_target()
                 self.engine.on_grads_final = host.overlap_update() if host is not None else None
                 self.precision_plugin.defer_updates = host is not None and self._may_defer(host)
             return super().training_step(*args, **kwargs)
+
+    def _sync_trainable(self) -> None:
+        """Before a step: parameters unfrozen or added to an optimizer since the last one (``BaseFinetuning``'s
+        ``unfreeze_and_add_param_group``) get their place in the stores, and the optimizers see them."""
+        if self.engine is None:
+            return
+        hosts = list(self.precision_plugin.host_optimizers.values())
+        grouped = any(h.groups_changed() for h in hosts)
+        if self.engine.make_trainable([p for h in hosts for p in h.params()] if grouped else ()) or grouped:
+            for h in hosts:
+                h.bind(self.engine.all_stores())
 
     def _overlap_target(self) -> HostOptimizer | None:
         """The host optimizer to run block by block during this backward, or None to step after it.
@@ -310,12 +360,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             return False
         module = self.lightning_module
         assert module is not None
-        if any(is_overridden(h, module) for h in _MODULE_HOOKS_BETWEEN_STEPS):
+        if _module_hooks_touch_weights(module):
             return False
         return all(_leaves_weights_alone(cb) for cb in module.trainer.callbacks)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Validation, test and predict stream too; resident parameters go home right after."""
+        self._settle()
+        self._refresh_if_written()  # e.g. an EMA callback swapped the averaged weights in
         with self._step(wait=True):
             out = step(*args, **kwargs)
         self._settle()
@@ -407,6 +459,32 @@ _CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswit
 
 def _has_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _module_hooks_touch_weights(module: pl.LightningModule) -> bool:
+    """Whether the module overrides a hook that runs between steps, and does not declare
+    ``megatrain_reads_weights = False`` (its hooks neither read nor write the weights)."""
+    if getattr(module, "megatrain_reads_weights", None) is False:
+        return False
+    return any(is_overridden(h, module) for h in _MODULE_HOOKS_BETWEEN_STEPS)
+
+
+def _refuse_running_statistics(blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    """A norm that tracks running statistics updates them in its forward, which a streamed block runs
+    twice per step (once more in the backward's recompute): refused by name, with the fix."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    for block_name, block in blocks:
+        for name, m in block.named_modules():
+            if isinstance(m, (_BatchNorm, _InstanceNorm)) and m.track_running_stats:
+                path = f"{block_name}.{name}" if name else block_name
+                raise ValueError(
+                    f"MegaTrainStrategy cannot train {path} ({type(m).__name__}) exactly: it updates running "
+                    "statistics in its forward, and a streamed block runs its forward twice per step (once more "
+                    "in the backward's recompute). Use track_running_stats=False, a LayerNorm or GroupNorm, or "
+                    "stream another level (MegaTrainStrategy(block_class=...)) that keeps the norm resident."
+                )
 
 
 def _leaves_weights_alone(callback: pl.Callback) -> bool:

@@ -120,6 +120,40 @@ def test_peft_lora_frozen_weights_hold_no_training_state() -> None:
     )
 
 
+class Bf16BaseLoraLM(LoraLM):
+    """LoRA on a base held in bf16 (what ``from_pretrained(torch_dtype=torch.bfloat16)`` gives): the frozen
+    base stays bf16 on the host, the adapters (fp32: peft upcasts them) train in fp32."""
+
+    def build(self) -> nn.Module:
+        model = super().build()
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+        return model
+
+
+def test_lora_on_a_bf16_base_keeps_the_frozen_weights_in_bf16() -> None:
+    """Frozen weights need no fp32 master: the base's blocks keep 2 B/param on the host (the frozen region of
+    each store is bf16), bit for bit the weights they were given; the adapters train as under the default
+    strategy (bf16-mixed on the CPU: losses within 1%)."""
+    pytest.importorskip("peft")
+    factory = partial(Bf16BaseLoraLM, arch="llama", targets=ATTN)
+    probe = EngineProbe()
+    ref = fit(factory, None, max_steps=3, precision="bf16-mixed")
+    got = fit(factory, "megatrain", max_steps=3, precision="bf16-mixed", callbacks=[probe])
+    assert_is_megatrain(got)
+    frozen = frozen_names(got.module)
+    assert frozen and all(got.state[k].dtype == torch.bfloat16 for k in frozen)
+    assert all(torch.equal(got.state[k], got.init_state[k]) for k in frozen), "a frozen weight changed"
+    blocks = [s for s in probe.stores if s.n_trainable and s.frozen.numel()]
+    assert blocks and all(s.frozen.dtype == torch.bfloat16 and s.master.dtype == torch.float32 for s in blocks)
+    host = sum(s.frozen.numel() * s.frozen.element_size() for s in probe.stores)
+    n_frozen = sum(got.state[k].numel() for k in frozen)
+    assert host <= 2 * (n_frozen + 16 * len(frozen)), f"{host} B for {n_frozen} frozen parameters"
+    for a, b in zip(ref.losses, got.losses):
+        assert abs(a - b) <= 1e-2 * abs(a), (ref.losses, got.losses)
+
+
 class FrozenPartLM(CausalLMModule):
     """A tiny Llama with one part frozen before the optimizer is built."""
 

@@ -82,14 +82,15 @@ def test_automatic_choice_takes_own_accumulators_when_they_fit(monkeypatch: pyte
     if they and the Adam moments fit in the host memory available, else a pool of 4."""
     from megatrain_lightning import host_memory
     from megatrain_lightning.config import AUTO_POOL, grad_buffers_for
+    from megatrain_lightning.engine import StreamingEngine
 
     assert grad_buffers_for(None, 89, 100) == 0 and grad_buffers_for(None, 91, 100) == AUTO_POOL
     assert grad_buffers_for(3, 10**15, 100) == 3  # an explicit count wins
     chosen = {}
-    for total in (10**15, 10**3):  # a host that holds everything easily; one where nothing fits
-        monkeypatch.setattr(host_memory, "total_bytes", lambda total=total: total)
-        monkeypatch.setattr(host_memory, "available_bytes", lambda total=total: total)
+    total = host_memory.total_bytes()
+    for fits, need in ((True, 0.5 * total), (False, 0.95 * total)):  # the footprint with own accumulators
+        monkeypatch.setattr(StreamingEngine, "_host_need_with_own_accumulators", lambda self, need=need: need)
         probe = PoolProbe()
         _trainer(MegaTrainStrategy(), max_steps=1, callbacks=[probe]).fit(HooklessNet(depth=3), _loader())
-        chosen[total > 10**6] = probe.rows[-1][1]  # buffers lent in the step
+        chosen[fits] = probe.rows[-1][1]  # buffers lent in the step
     assert chosen == {True: 0, False: 3 + 2}  # own accumulators; else every store borrowed

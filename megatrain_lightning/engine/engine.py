@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import host_memory
 from ..config import EngineConfig, grad_buffers_for
+from . import params as _params
 from .block import CallSpec, StreamedBlock
 from .grads import GradPath, Update
 from .host_worker import HostWorker
@@ -92,6 +93,8 @@ class StreamingEngine:
                                        materializer, self.pins, config.host_state, skip={id(b) for b in self.blocks})
         self.resident = ResidentParts(root, self.blocks, resident_stores, self.streams, self.stats, self.updates,
                                       self.state, self._send)
+        if self.upcast:
+            _params.upcast_buffers(self)
 
         # Device slots and what streams into them.
         max_numel = max(s.numel for s in self.stores)
@@ -103,17 +106,17 @@ class StreamingEngine:
         self.offload = InputOffload(self.streams, self.pins, config.offload_inputs)
 
         # The gradient path and the host worker behind it.
-        grad_numel = max([max_numel] + [part.store.numel for part in self.resident.parts])
         self.grad_buffers = grad_buffers_for(config.grad_buffers, self._host_need_with_own_accumulators(),
                                              host_memory.total_bytes())
         self.worker = HostWorker(threads=config.host_threads)
-        self.grads = GradPath(self.streams, grad_numel, self.pins, self.stats, self.worker,
-                              self.grad_buffers, max_numel, config.bf16_grads)
+        self.grads = GradPath(self.streams, self.grad_numel(), self.pins, self.stats, self.worker,
+                              self.grad_buffers, max(s.train_numel for s in self.stores), config.bf16_grads)
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Update | None = None
 
         self._anchor_t: torch.Tensor | None = None
-        self._flags = [[p.requires_grad for p in s.params] for s in self.stores]
+        self._checked: set[int] = set()  # blocks whose first forward was checked for buffer updates
+        self.outside = _params.OutsideUse(self.state, self.stores, self.blocks)
         self._original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
@@ -122,9 +125,18 @@ class StreamingEngine:
         """Host bytes in use once every store holds its own fp32 accumulator and Adam moments."""
         need = host_memory.total_bytes() - host_memory.available_bytes()
         for s in self.all_stores():
-            need += 4 * s.numel if s.grad is None else 0
-            need += 2 * s.numel * s.dtype.itemsize if s.exp_avg is None else 0
+            need += 4 * s.train_numel if s.grad is None else 0
+            need += 2 * s.train_numel * s.dtype.itemsize if s.exp_avg is None else 0
         return need
+
+    def grad_numel(self) -> int:
+        """Elements of the gradient path's slabs: the largest trainable region of any store."""
+        return max(16, max(s.train_numel for s in self.all_stores()))
+
+    @property
+    def upcast(self) -> list[nn.Parameter]:
+        """Trainable parameters that were given in bf16/fp16 and now live as fp32 masters."""
+        return [p for s in self.all_stores() for p in s.upcast]
 
     # ------------------------------------------------------------------ step scope
     def open_step(self) -> None:
@@ -133,9 +145,11 @@ class StreamingEngine:
         self.resident.open()
         self.weights.start()
 
-    def end_call(self) -> None:
-        """The user's step function returned; blocks called from now on (outside a step) run on the host."""
-        self.state.step_open = False
+    def end_call(self, backward_follows: bool = True) -> None:
+        """The user's step function returned. Until its backward is done (``finish_backward``) blocks still
+        stream (a user's activation checkpoint recomputes them there); with no backward to follow (an
+        evaluation step), blocks called from now on run on the host."""
+        self.state.close(backward_follows)
 
     def finish_backward(self) -> None:
         """After ``loss.backward()``: resident gradients home, one host sync, host grads attached.
@@ -147,6 +161,7 @@ class StreamingEngine:
         if self.streams.cuda:
             self.streams.h2d.synchronize()  # no copy may still read a master the optimizer will write
         self.resident.end_backward()
+        self.outside.sent = set()
         self.weights.learn(self.state.end_micro_batch())
         self.offload.reset()
 
@@ -162,6 +177,8 @@ class StreamingEngine:
         """
         self.resident.to_host(self.on_grads_final)
         self.grads.drain()
+        if not self.state.step_open and self.state.phase is Phase.FORWARD:
+            self.state.end_micro_batch()  # a step whose backward never came (its loss was None)
         if wait:
             self.wait_updates()
         else:
@@ -181,6 +198,14 @@ class StreamingEngine:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
         self.weights.invalidate()
         self.resident.stale()
+
+    def make_trainable(self, params: Sequence[nn.Parameter] = ()) -> bool:
+        """See :func:`~megatrain_lightning.engine.params.make_trainable`."""
+        return _params.make_trainable(self, params)
+
+    def reclaim(self) -> None:
+        """See :func:`~megatrain_lightning.engine.params.reclaim`."""
+        _params.reclaim(self)
 
     def ensure_resident(self) -> None:
         """Point every resident parameter at its device copy (refreshed first if the masters changed)."""
@@ -206,8 +231,10 @@ class StreamingEngine:
         engine = self
 
         def streamed_forward(*args: Any, **kwargs: Any) -> Any:
-            if not engine.state.step_open:
+            state = engine.state
+            if not state.step_open and state.phase is Phase.IDLE:
                 return original(block, *args, **kwargs)  # outside a step: a plain host module
+            # (in a step, or in its backward after the step function returned: a user's checkpoint recompute)
             _no_kv_cache(kwargs)
             if not torch.is_grad_enabled():
                 weights = engine.acquire(index)
@@ -215,9 +242,13 @@ class StreamingEngine:
                     return engine.run_forward(index, args, kwargs, weights=weights)
                 finally:
                     engine.release(index)
-            engine.state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
+            state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
             spec = CallSpec(args, kwargs)
-            outs = StreamedBlock.apply(engine, index, spec, engine._anchor(), *spec.take_tensors())
+            # Identity saved-tensor hooks: an outer activation checkpoint (timm's, torch.utils.checkpoint
+            # around the block) records nothing of this call, so it never needs to recompute it; the
+            # engine's own recompute stands in for it.
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                outs = StreamedBlock.apply(engine, index, spec, engine._anchor(), *spec.take_tensors())
             return spec.rebuild_output(outs)
 
         return streamed_forward
@@ -238,15 +269,28 @@ class StreamingEngine:
         release = weights is None
         if weights is None:
             weights = self.acquire(block)
+        binding = self.bindings[block]
+        check = block not in self._checked  # the first call, the forward: before any update ran
         try:
-            with self.bindings[block].bound(weights):
-                return self._original_forwards[block](self.blocks[block], *args, **kwargs)
+            with binding.bound(weights, check=check):
+                out = self._original_forwards[block](self.blocks[block], *args, **kwargs)
+            if check:
+                self._checked.add(block)
+                changed = binding.mutated_buffers()
+                if changed:
+                    raise RuntimeError(
+                        f"MegaTrainStrategy cannot train block {block} ({type(self.blocks[block]).__name__}) exactly: "
+                        f"its forward changes its buffers in place ({', '.join(changed)}), and a streamed block "
+                        "runs its forward again in the backward's recompute. Make the buffers constant (e.g. "
+                        "track_running_stats=False for a norm), or stream another level with block_class=...")
+            return out
         finally:
             if release:
                 self.release(block)
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]:
-        return self._flags[block]
+        """Read at each call (toggle_optimizer, unfreezing): which of the block's weights get gradients."""
+        return [p.requires_grad for p in self.stores[block].params]
 
     def keeps(self, block: int) -> bool:
         """Whether ``block`` keeps its activations (no recompute) during a step."""
@@ -268,7 +312,9 @@ class StreamingEngine:
 
     def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
         final = self.state.backward_call(block)  # a block called twice is final after its second backward
-        self._send(block, self.stores[block], grads, self.on_grads_final if final else None, block)
+        early = final and block not in self.outside.blocks  # used outside too: stepped after the backward
+        self._send(block, self.stores[block], grads, self.on_grads_final if early else None, block)
+        self.outside.sent.add(block)
         self.stats.bump(self.stats.d2h, block)
 
     def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None,
@@ -290,14 +336,23 @@ class StreamingEngine:
         for block in self.blocks:
             if "forward" in block.__dict__:
                 del block.forward
+        self.outside.close()
         self.resident.close()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.weights.close()  # device memory goes now, not when the last reference to the engine does
         self.pins.close()
 
+    def keyed_stores(self) -> list[tuple[int, FlatStore]]:
+        """(key, store) of every store: block indices, then ``RESIDENT`` / ``RESIDENT_AFTER``."""
+        return list(enumerate(self.stores)) + [(part.key, part.store) for part in self.resident.parts]
+
     def all_stores(self) -> list[FlatStore]:
         return self.stores + [part.store for part in self.resident.parts]
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _no_kv_cache(kwargs: dict) -> None:

@@ -71,6 +71,7 @@ class GradPath:
         self.pool_numel = pool_numel
         self.pool_free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.pool_made = 0
+        self._pool_all: list[torch.Tensor] = []
 
     def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None = None,
              priority: int = 0) -> Future | None:
@@ -80,11 +81,14 @@ class GradPath:
         update of that store); its future is returned. ``priority``: the store's place in the next forward
         (see ``host_worker.py``).
         """
-        layout = store.layout
-        n = layout.numel
+        n = store.train_numel  # the trainable region: frozen parameters have no gradient
+        self._adopt_foreign(store)
         k = self.turn
         self.turn ^= 1
-        empty = all(p.grad is None for p in layout.params)
+        assert all(g is None for g in grads[store.n_trainable :]), "a frozen parameter got a gradient"
+        grads = grads[: store.n_trainable]
+        trainable = store.trainable
+        empty = all(p.grad is None for p in trainable)
         half = (
             then is not None and empty and not self._busy(store)
             and all(g is not None and g.dtype == torch.bfloat16 for g in grads) and self._wants_half(then)
@@ -94,7 +98,7 @@ class GradPath:
         compute = self.streams.compute()
         self.streams.wait(compute, self.slab_done[k])  # slab lifetime: its previous copy out has run
         slab.zero_()  # padding and absent gradients must read as zeros on the host
-        present = [(v, g) for v, g in zip(layout.views(slab), grads) if g is not None]
+        present = [(v, g) for v, g in zip(store.train_views(slab), grads) if g is not None]
         if present:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32 (not if half)
         self.slab_written[k].record(compute)
@@ -108,8 +112,8 @@ class GradPath:
             host = store.grad_buffer()
             direct = empty and not self._busy(store)  # straight in only when nothing there must be kept
             target = host[:n] if direct else self._take_staging(n)
-        fresh = [g is not None and p.grad is None for p, g in zip(layout.params, grads)]
-        held = [p.grad is not None for p in layout.params]
+        fresh = [g is not None and p.grad is None for p, g in zip(trainable, grads)]
+        held = [p.grad is not None for p in trainable]
         assert lent is None or direct  # a lent buffer holds nothing yet: its store's copy lands straight in it
         # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
         done = self.slab_done[k] = self.streams.event()
@@ -119,7 +123,7 @@ class GradPath:
             done.record(self.streams.d2h)
         if not half:
             # Attach before the worker may look: the overlapped update reads ``p.grad``.
-            for p, view, f in zip(layout.params, store.grad_views, fresh):
+            for p, view, f in zip(trainable, store.grad_views, fresh):
                 if f:
                     p.grad = view
         if not direct:
@@ -135,6 +139,22 @@ class GradPath:
             return None
         return self.worker.submit(priority, _after_copy, done, store, then, lent, self.pool_free, half, ready=done.query)
 
+    def _adopt_foreign(self, store: FlatStore) -> None:
+        """A ``.grad`` that is not the store's view (autograd put it there: the model used the parameter
+        outside its block too) is copied into the accumulator, which becomes its ``.grad``, so that the
+        block's share is added to it, not beside it."""
+        for i, p in enumerate(store.trainable):
+            g = p.grad
+            if g is None or (store.grad is not None and g is store.grad_views[i]):
+                continue
+            fut = self.busy.get(id(store))
+            if fut is not None:
+                fut.result()  # host wait: no add into the accumulator may run meanwhile
+            store.grad_buffer()
+            with torch.no_grad():
+                store.grad_views[i].copy_(g)
+            p.grad = store.grad_views[i]
+
     def _wants_half(self, then: Update) -> bool:
         if self.half is None:  # decided once: an fp32 run never asks (and never builds a kernel)
             prefers = getattr(then, "prefers_half_grads", None)
@@ -144,13 +164,14 @@ class GradPath:
     def _lend(self, store: FlatStore, half: bool) -> torch.Tensor | None:
         """A pooled buffer for ``store``'s gradients, or None (no pool, or the store is larger). With
         ``half`` the caller reads it as bf16 (``FlatStore.hold_half_grad``), else it becomes ``store.grad``."""
-        if self.pool_buffers == 0 or store.numel > self.pool_numel:
+        if self.pool_buffers == 0 or store.train_numel > self.pool_numel:
             return None
         try:
             buf = self.pool_free.get_nowait()
         except queue.Empty:
             if self.pool_made < self.pool_buffers:
                 buf = self.pins.empty(self.pool_numel)
+                self._pool_all.append(buf)
                 self.pool_made += 1
             else:
                 # Host wait: every buffer is lent to a queued update; the worker returns one when an update
@@ -175,6 +196,20 @@ class GradPath:
         if busy is not None:
             busy.result()  # host wait: the worker must have consumed this staging buffer
         return self.staging[j][:n]
+
+    def fit(self, numel: int, pool_numel: int) -> None:
+        """Grow the slabs, the staging and the pool to stores laid out again (more trainable elements);
+        between steps only (no copy in flight: the last drain ran)."""
+        if numel > self.numel:
+            self.numel = numel
+            self.slabs = [torch.empty(numel, device=self.streams.device) for _ in range(2)]
+            self.slab_done = [self.streams.event() for _ in range(2)]
+            self.pins.release(self.staging)
+            self.staging, self.staging_busy = [], []
+        if pool_numel > self.pool_numel:
+            self.pool_numel = pool_numel
+            self.pins.release(self._pool_all)  # lent to nothing between steps: too small now
+            self.pool_free, self._pool_all, self.pool_made = queue.SimpleQueue(), [], 0
 
     def drain(self) -> None:
         """Host sync point: every gradient of this backward is in its fp32 accumulator after this."""
@@ -215,7 +250,7 @@ def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[b
     if not any(fresh):
         store.grad[: staged.numel()].add_(staged)  # one flat add; absent gradients are zeros
     else:
-        for view, src, f, h in zip(store.grad_views, store.layout.views(staged), fresh, held):
+        for view, src, f, h in zip(store.grad_views, store.train_views(staged), fresh, held):
             if f:
                 view.copy_(src)
             elif h:

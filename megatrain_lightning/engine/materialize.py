@@ -16,7 +16,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-from .store import FlatLayout, FlatStore, HostState, PinnedRegistry
+from .store import FlatStore, HostState, PinnedRegistry, frozen_dtype, region_split, trainable_first
 
 InitFn = Callable[[Sequence[nn.Module]], None]
 
@@ -93,18 +93,26 @@ def build_stores(
     """Materialise ``module`` (not descending into ``skip``) and build one store per group of
     ``groups_of()`` (None for an empty group; called again after materialising, for the host tensors).
 
-    fp32 stores are laid out from the meta shapes first and the meta parameters become views of the
-    store's master, so that initialisation writes the store directly (no second copy of anything).
+    fp32 stores are laid out from the meta shapes first (trainable parameters first, as the store lays
+    them out) and the meta parameters become views of the store's buffers, so that initialisation writes
+    the store directly (no second copy of anything).
     """
-    masters: list[torch.Tensor | None] = []
+    buffers: list[dict[str, torch.Tensor]] = []
     for params in groups_of():
-        master = None
+        bufs: dict[str, torch.Tensor] = {}
         if host_state == "fp32" and any(p.is_meta for p in params):
-            layout = FlatLayout(params)
-            master = pins.empty(layout.numel)
+            layout, n_trainable = trainable_first(params, None)  # as FlatStore lays them out
+            n = region_split(layout, n_trainable)
+            master = pins.empty(n)
+            frozen = pins.empty(layout.numel - n, frozen_dtype(layout.params[n_trainable:]))
             master.zero_()  # alignment padding stays zero
-            materializer.place({id(p): v for p, v in zip(params, layout.views(master)) if p.is_meta})
-        masters.append(master)
+            frozen.zero_()
+            views = [master[o : o + p.numel()].view(p.shape) for o, p in zip(layout.offsets, layout.params[:n_trainable])]
+            views += [frozen[o - n : o - n + p.numel()].view(p.shape)
+                      for o, p in zip(layout.offsets[n_trainable:], layout.params[n_trainable:])]
+            materializer.place({id(p): v for p, v in zip(layout.params, views) if p.is_meta})
+            bufs = {"master": master, "frozen": frozen}
+        buffers.append(bufs)
     materializer(module, skip=skip)
-    return [FlatStore(params, pins, host_state, master=master) if params else None
-            for params, master in zip(groups_of(), masters)]
+    return [FlatStore(params, pins, host_state, **bufs) if params else None
+            for params, bufs in zip(groups_of(), buffers)]

@@ -7,8 +7,8 @@ from enum import Enum
 
 
 class Phase(Enum):
-    IDLE = "idle"  # no micro-batch in flight: gradients drained, resident parameters on the host
-    FORWARD = "forward"  # a micro-batch's forward: streamed block calls are recorded
+    IDLE = "idle"  # no micro-batch in flight: blocks called now are plain host modules
+    FORWARD = "forward"  # a micro-batch's step function (or the time until its backward begins)
     BACKWARD = "backward"  # its backward has begun (the first block's backward ran)
 
 
@@ -27,9 +27,17 @@ class StepState:
     recorded: list[int] = field(default_factory=list)  # this micro-batch's block calls, in order
 
     def open(self) -> None:
-        """The user's step function begins."""
+        """The user's step function begins: a micro-batch is in flight until its backward is done."""
         self.step_open = True
         self.recorded = []
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.FORWARD
+
+    def close(self, backward_follows: bool) -> None:
+        """The user's step function returned; without a backward to come, the micro-batch is over."""
+        self.step_open = False
+        if not backward_follows:
+            self.end_micro_batch()
 
     def forward_call(self, block: int) -> None:
         self.phase = Phase.FORWARD if self.phase is Phase.IDLE else self.phase

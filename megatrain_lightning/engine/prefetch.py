@@ -118,16 +118,16 @@ class WeightStream:
         if s is None:
             raise RuntimeError("no free device slot: raise EngineConfig.slots")
         store = self.stores[block]
-        n = store.numel
         h2d = self.streams.h2d
         with self.streams.on(h2d):
             self.streams.wait(h2d, self._free[s])  # slot lifetime: no queued kernel still reads it
-            if self.slots.staging is not None:
-                stage = self.slots.staging[:n]
-                stage.copy_(store.master, non_blocking=True)
-                self.slots.buffers[s][:n].copy_(stage)  # fp32 -> compute dtype on the device
-            else:
-                self.slots.buffers[s][:n].copy_(store.master, non_blocking=True)
+            for src, a, b in store.regions():  # trainable masters, then frozen weights in their own dtype
+                stage = self.slots.staging_for(src.dtype)
+                if stage is None:
+                    self.slots.buffers[s][a:b].copy_(src, non_blocking=True)
+                else:
+                    stage[a:b].copy_(src, non_blocking=True)
+                    self.slots.buffers[s][a:b].copy_(stage[a:b])  # cast to the compute dtype on the device
             self._ready[s].record(h2d)
         self.slots.block_in_slot[s] = block
         self._used[s] = False
@@ -138,6 +138,11 @@ class WeightStream:
         """The masters changed: no slot holds current weights any more."""
         self.slots.invalidate()
 
+    def relaid(self, block: int) -> None:
+        """``block``'s store was laid out again: its views of the slots are rebuilt on next use."""
+        self._views = {k: v for k, v in self._views.items() if k[0] != block}
+        self.slots.invalidate()
+
     def close(self) -> None:
-        self.slots.buffers, self.slots.staging = [], None
+        self.slots.close()
         self._views = {}

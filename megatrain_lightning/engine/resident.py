@@ -173,13 +173,14 @@ class ResidentParts:
             h2d = self.streams.h2d
             with self.streams.on(h2d):
                 self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
-                if store.master.dtype == part.device.dtype:
-                    part.device.copy_(store.master, non_blocking=True)
-                else:  # bf16 masters (host_state="compact"): copy as they are, widen on the device
-                    stage = torch.empty(store.numel, dtype=store.master.dtype, device=self.streams.device)
-                    stage.copy_(store.master, non_blocking=True)
-                    part.device.copy_(stage)
-                    # Buffer lifetime: allocated on the h2d stream, read only there; freed after the cast.
+                for src, a, b in store.regions():  # trainable masters, then frozen weights
+                    if src.dtype == part.device.dtype:
+                        part.device[a:b].copy_(src, non_blocking=True)
+                    else:  # bf16 masters (compact) or frozen weights: copy as they are, widen on the device
+                        stage = torch.empty(b - a, dtype=src.dtype, device=self.streams.device)
+                        stage.copy_(src, non_blocking=True)
+                        part.device[a:b].copy_(stage)
+                        # Buffer lifetime: allocated on the h2d stream, read only there; freed after the cast.
                 ev = self.streams.record_on(h2d)
             self.streams.wait(compute, ev)
             self.stats.bump(self.stats.h2d, part.key)
@@ -190,6 +191,16 @@ class ResidentParts:
             p.grad = None  # device gradients accumulate from zero; the host keeps what was there
             p.data = dv
         part.on_device = True
+
+    def relaid(self, key: int, store: FlatStore) -> None:
+        """The part's store was laid out again (``store``): its device views follow, its copy is stale."""
+        for part in self.parts:
+            if part.key == key:
+                assert not part.on_device
+                part.store = store
+                if part.device is not None:
+                    part.views = store.layout.views(part.device)
+                part.stale = True
 
     def stale(self) -> None:
         """The masters changed (an optimizer step, a checkpoint load): the device copies are out of date."""

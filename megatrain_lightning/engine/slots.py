@@ -43,12 +43,30 @@ class BlockBinding:
         """Keep a device copy of the block's buffers for the whole run (they are small and read-only)."""
         self.device_buffers = [b.to(device) for _, _, b in self.buffer_sites]
 
+    def refresh_buffers(self, device: torch.device) -> None:
+        """The block's buffers were replaced (upcast): read them again from its modules."""
+        self.buffer_sites = [(mod, name, mod._buffers[name]) for mod, name, _ in self.buffer_sites]
+        self.buffers_to(device)
+
+    def mutated_buffers(self) -> list[str]:
+        """Names of the buffers whose device copy a call changed in place (``bound(check=True)``)."""
+        return [f"{type(mod).__name__}.{name}" for (mod, name, _), b, v in
+                zip(self.buffer_sites, self.device_buffers, self._versions) if b._version != v]
+
     @contextmanager
-    def bound(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Run the block with ``tensors`` (layout order) in place of its parameters."""
+    def bound(self, tensors: Sequence[torch.Tensor], check: bool = False) -> Iterator[None]:
+        """Run the block with ``tensors`` (layout order) in place of its parameters. Weights of one
+        dimension (norm gains, biases) narrower than fp32 are bound as fp32 casts of the slot (the values
+        are the same): what ops outside autocast's lists see under Lightning's own bf16-mixed, whose
+        weights are fp32 (CPU layer norms refuse a bf16 weight with an fp32 input). ``check``: record
+        the buffers' versions, for :meth:`mutated_buffers`."""
         for sites, t in zip(self.param_sites, tensors):
+            if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
+                t = t.float()  # differentiable: the gradient reaches the slot's leaf
             for mod, name in sites:
                 mod._parameters[name] = t  # type: ignore[assignment]
+        if check:
+            self._versions = [b._version for b in self.device_buffers]
         for (mod, name, _), b in zip(self.buffer_sites, self.device_buffers):
             mod._buffers[name] = b
         try:
@@ -97,7 +115,22 @@ class DeviceSlots:
             self.buffers.append(torch.empty(n, dtype=dtype, device=device))
         needs_staging = dtype != master_dtype  # bf16 masters (host_state="compact") under bf16: none
         self.staging = torch.empty(numel, dtype=master_dtype, device=device) if needs_staging else None
+        self._other_staging: dict[torch.dtype, torch.Tensor] = {}  # frozen weights of yet another dtype
         self.block_in_slot: list[int | None] = [None] * len(self.buffers)
+
+    def staging_for(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The device buffer a host region of ``dtype`` lands in before its cast into a slot (None: the
+        slot's own dtype, no cast). One per dtype: its uses are ordered by the host->device stream."""
+        if dtype == self.dtype:
+            return None
+        if self.staging is not None and self.staging.dtype == dtype:
+            return self.staging
+        if dtype not in self._other_staging:
+            self._other_staging[dtype] = torch.empty(self.numel, dtype=dtype, device=self.device)
+        return self._other_staging[dtype]
+
+    def close(self) -> None:
+        self.buffers, self.staging, self._other_staging = [], None, {}
 
     def invalidate(self) -> None:
         """Forget what each slot holds (after the masters changed)."""

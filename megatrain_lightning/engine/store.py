@@ -17,6 +17,12 @@ gives back the fp32 bits and every update is applied to the fp32 weight (no smal
 away, unlike plain bf16 masters). Adam's moments are bf16 (2+2 B). The gradient accumulator stays fp32
 (4 B, transient). The parameters' ``grad_dtype`` is fp32 so the accumulators can be their ``.grad``.
 
+Frozen parameters (those that do not require grad and no optimizer holds: a LoRA base, a frozen head)
+come last in the layout and live in a buffer of their own dtype (``frozen``): no fp32 master, gradient or
+moment for them, so a bf16 base keeps 2 B/param on the host and travels as it is. Gradients, moments and
+the gradient path cover the trainable region ``[0, train_numel)`` only. A store is laid out again
+(:meth:`FlatStore.relayout`) when a frozen parameter starts to train.
+
 Pinning, when asked for, registers the exact buffer with the CUDA driver instead of taking it from
 torch's caching pinned allocator, which rounds every request up to a power of two.
 """
@@ -90,12 +96,23 @@ class PinnedRegistry:
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
-        if self.enabled:
+        if self.enabled and numel:
             err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
             if int(err) != 0:  # fall back to the caching allocator: rounded up, but pinned
                 return torch.empty(numel, dtype=dtype, pin_memory=True)
             self._registered.append(t)
         return t
+
+    def release(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Unpin (and let go of) buffers this registry pinned, e.g. those of a store laid out again."""
+        ptrs = {t.data_ptr() for t in tensors if t is not None}
+        keep = []
+        for t in self._registered:
+            if t.data_ptr() in ptrs:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            else:
+                keep.append(t)
+        self._registered = keep
 
     def close(self) -> None:
         for t in self._registered:
@@ -103,23 +120,34 @@ class PinnedRegistry:
         self._registered.clear()
 
 
+_FROZEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def frozen_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
+    """The host dtype of a store's frozen region: the parameters' own when they share one, else fp32."""
+    dtypes = {p.dtype for p in params}
+    return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in _FROZEN_DTYPES else torch.float32
+
+
 class FlatStore:
     """Master weights (and, lazily, gradients and Adam moments) of one block, as flat host buffers.
 
-    Construction copies each parameter's current value into the master buffer and re-points the
-    parameter at its view (``param.data = view``), so the module keeps its own Parameter objects.
+    Construction copies each parameter's current value into its buffer and re-points the parameter at
+    its view (``param.data = view``), so the module keeps its own Parameter objects. Trainable parameters
+    held in bf16 or fp16 are upcast into the fp32 masters (listed in ``upcast``, for the caller's log).
 
     Args:
-        params: the block's parameters, in layout order.
-        pins: where pinned buffers come from (master and gradient: the buffers that are copied).
+        params: the block's parameters, in their order.
+        pins: where pinned buffers come from (masters, frozen weights and gradients: what is copied).
         host_state: ``"fp32"`` (fp32 master and moments, 12 B/param + 4 B gradient) or ``"compact"``
             (the fp32 master as bf16 high half + int16 low half, bf16 moments: 8 B/param + 4 B
             gradient; the parameters become bf16 views). See the module docstring.
         compensate: compact only. False drops the low half: plain bf16 masters (6 B/param), on which
             updates smaller than half a bf16 step round away. For measuring that failure, not for use.
-        master: the master buffer, already allocated and laid out as ``FlatLayout(params)`` (the engine
-            materialises meta-built parameters as its views); parameters that already are their view
-            are not copied.
+        trainable: ids of the parameters in the trainable region; None: those that require grad.
+        master, frozen: the two buffers, already allocated and laid out as this store will lay them out
+            (the engine materialises meta-built parameters as their views); parameters that already are
+            their view are not copied.
     """
 
     def __init__(
@@ -128,12 +156,16 @@ class FlatStore:
         pins: PinnedRegistry,
         host_state: HostState = "fp32",
         compensate: bool = True,
+        trainable: set[int] | None = None,
         master: torch.Tensor | None = None,
+        frozen: torch.Tensor | None = None,
     ) -> None:
         if host_state not in HOST_STATES:
             raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
-        self.layout = FlatLayout(params)
+        self.layout, self.n_trainable = trainable_first(params, trainable)
         self._pins = pins
+        self.host_state = host_state
+        self.compensate = compensate
         self.compact = host_state == "compact"
         if self.compact and not hasattr(torch.Tensor, "grad_dtype"):
             raise RuntimeError(
@@ -141,18 +173,22 @@ class FlatStore:
                 f"gradients); this is torch {torch.__version__}. Use host_state='fp32'."
             )
         self.dtype = torch.bfloat16 if self.compact else torch.float32
+        n = self.train_numel = region_split(self.layout, self.n_trainable)
+        frozen_params = self.layout.params[self.n_trainable :]
+        self.frozen_dtype = frozen_dtype(frozen_params)
         if master is None:
-            master = pins.empty(self.layout.numel, self.dtype)
+            master = pins.empty(n, self.dtype)
             master.zero_()  # alignment padding stays zero: it enters norms and copies
-        elif master.numel() != self.layout.numel or master.dtype != self.dtype:
-            raise ValueError(f"master of {master.numel()} {master.dtype} does not fit this layout")
-        self.master = master
+        if frozen is None:
+            frozen = pins.empty(self.layout.numel - n, self.frozen_dtype)
+            frozen.zero_()
+        if master.numel() != n or master.dtype != self.dtype or frozen.numel() != self.layout.numel - n:
+            raise ValueError(f"buffers of {master.numel()} {master.dtype} + {frozen.numel()} do not fit this layout")
+        self.master, self.frozen = master, frozen
         # compact: the low 16 bits of each fp32 master (pageable: never copied to the device)
-        self.master_low: torch.Tensor | None = (
-            torch.zeros(self.layout.numel, dtype=torch.int16) if self.compact and compensate else None
-        )
+        self.master_low: torch.Tensor | None = torch.zeros(n, dtype=torch.int16) if self.compact and compensate else None
         self.grad: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor] = []
+        self.grad_views: list[torch.Tensor] = []  # the trainable parameters' views of ``grad``
         self.grad_lent = False  # grad is a pooled buffer (see grads.py), not the store's own
         # bf16 gradients on their way into an update (see :meth:`hold_half_grad`), and the store's own
         # pinned buffer for them (allocated on first need, when no pooled buffer is lent)
@@ -160,25 +196,31 @@ class FlatStore:
         self._own_half_grad: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
-        low_views = self.layout.views(self.master_low) if self.master_low is not None else None
+        self.upcast: list[nn.Parameter] = []  # trainable parameters given in bf16/fp16, now fp32
+        self.upcast_from: list[torch.Tensor] = []  # their original tensors' dtypes, for the log line
+        self.master_views = self.train_views(master) + self.frozen_views(frozen)
+        low_views = self.train_views(self.master_low) if self.master_low is not None else None
         with torch.no_grad():
-            for k, (p, view) in enumerate(zip(self.layout.params, self.layout.views(self.master))):
-                if not self.compact:
-                    if p.dtype != torch.float32 and p.is_floating_point():
-                        raise TypeError(f"parameter of dtype {p.dtype}: the host store keeps fp32 masters only")
+            for k, (p, view) in enumerate(zip(self.layout.params, self.master_views)):
+                if k >= self.n_trainable or not self.compact:
+                    if p.is_floating_point() and p.dtype != view.dtype:
+                        if p.dtype not in _FROZEN_DTYPES:
+                            raise TypeError(f"parameter of dtype {p.dtype}: the host store takes fp32, bf16 or fp16")
+                        if k < self.n_trainable:
+                            self.upcast.append(p)
+                            self.upcast_from.append(torch.empty(0, dtype=p.dtype))
                     if p.data_ptr() != view.data_ptr():  # materialised in place already: nothing to copy
                         view.copy_(p.detach())
                 else:
                     if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16):
                         raise TypeError(f"parameter of dtype {p.dtype}: host_state='compact' takes fp32 or bf16")
                     value = p.detach().reshape(-1).to(torch.float32)
-                    n = value.numel()
-                    low = low_views[k].view(-1) if low_views is not None else torch.empty(n, dtype=torch.int16)
-                    split_fp32(value.view(torch.int32), view.view(-1), low, torch.empty(n, dtype=torch.int32))
+                    m = value.numel()
+                    low = low_views[k].view(-1) if low_views is not None else torch.empty(m, dtype=torch.int16)
+                    split_fp32(value.view(torch.int32), view.view(-1), low, torch.empty(m, dtype=torch.int32))
                 p.data = view
-                if self.compact:
+                if self.compact and k < self.n_trainable:
                     p.grad_dtype = torch.float32  # the fp32 accumulators become bf16 parameters' .grad
-        self.master_views = self.layout.views(self.master)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -188,6 +230,28 @@ class FlatStore:
     def numel(self) -> int:
         return self.layout.numel
 
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return self.layout.params[: self.n_trainable]
+
+    def train_views(self, flat: torch.Tensor | None) -> list[torch.Tensor]:
+        """Views shaped like each trainable parameter of a flat buffer of the trainable region."""
+        if flat is None:
+            return []
+        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.layout.offsets, self.trainable)]
+
+    def frozen_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views shaped like each frozen parameter of the frozen region's buffer."""
+        n = self.train_numel
+        frozen = self.layout.params[self.n_trainable :]
+        return [flat[o - n : o - n + p.numel()].view(p.shape) for o, p in zip(self.layout.offsets[self.n_trainable :], frozen)]
+
+    def regions(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(host buffer, start, end) of the non-empty regions in the flat layout: what a copy of the whole
+        store to a device buffer of ``numel`` elements consists of."""
+        out = [(self.master, 0, self.train_numel), (self.frozen, self.train_numel, self.numel)]
+        return [r for r in out if r[2] > r[1]]
+
     def grad_buffer(self) -> torch.Tensor:
         """The fp32 gradient accumulator (pinned: the device→host copy lands in it directly).
 
@@ -195,22 +259,22 @@ class FlatStore:
         (:meth:`lend_grad`).
         """
         if self.grad is None:
-            self.grad = self._pins.empty(self.layout.numel)
+            self.grad = self._pins.empty(self.train_numel)
             self.grad.zero_()
-            self.grad_views = self.layout.views(self.grad)
+            self.grad_views = self.train_views(self.grad)
         return self.grad
 
     def lend_grad(self, buffer: torch.Tensor) -> None:
-        """Use ``buffer`` (pinned fp32, at least ``numel`` long) as the gradient accumulator until
+        """Use ``buffer`` (pinned fp32, at least ``train_numel`` long) as the gradient accumulator until
         :meth:`return_grad`: one step's gradients, when nothing accumulates, need no buffer of their own."""
         assert self.grad is None, "the store already has a gradient buffer"
-        self.grad = buffer[: self.layout.numel]
-        self.grad_views = self.layout.views(self.grad)
+        self.grad = buffer[: self.train_numel]
+        self.grad_views = self.train_views(self.grad)
         self.grad_lent = True
 
     def return_grad(self) -> None:
         """Give the lent buffer back: parameters whose ``.grad`` is a view of it lose it (set to None)."""
-        for p, view in zip(self.layout.params, self.grad_views):
+        for p, view in zip(self.trainable, self.grad_views):
             if p.grad is view:
                 p.grad = None
         self.grad, self.grad_views, self.grad_lent = None, [], False
@@ -225,7 +289,7 @@ class FlatStore:
         (``optim/adam.py``): half the pinned gradient memory and device→host bytes.
         """
         assert self.half_grad is None, "the store holds bf16 gradients not yet used"
-        n = self.layout.numel
+        n = self.train_numel
         if lent is not None:
             buf = lent.view(torch.bfloat16)[:n]
         else:
@@ -244,23 +308,75 @@ class FlatStore:
         fp32, or bf16 with ``host_state="compact"``.
         """
         if self.exp_avg is None:
-            self.exp_avg = torch.zeros(self.layout.numel, dtype=self.dtype)
-            self.exp_avg_sq = torch.zeros(self.layout.numel, dtype=self.dtype)
+            self.exp_avg = torch.zeros(self.train_numel, dtype=self.dtype)
+            self.exp_avg_sq = torch.zeros(self.train_numel, dtype=self.dtype)
         assert self.exp_avg_sq is not None
         return self.exp_avg, self.exp_avg_sq
 
     def master_fp32(self) -> torch.Tensor:
-        """The fp32 master weights as one new flat tensor (a copy; the buffer itself in fp32 mode)."""
+        """The trainable region's fp32 master weights as one flat tensor (a copy; the buffer itself in fp32
+        mode)."""
         if not self.compact:
             return self.master
         if self.master_low is None:
             return self.master.float()
-        n = self.layout.numel
+        n = self.train_numel
         bits = torch.empty(n, dtype=torch.int32)
         join_fp32(self.master, self.master_low, bits, torch.empty(n, dtype=torch.int32))
         return bits.view(torch.float32)
 
     def lasting_bytes(self) -> int:
-        """Host bytes of lasting state: master (both halves) and Adam moments; the gradient is transient."""
-        tensors = (self.master, self.master_low, self.exp_avg, self.exp_avg_sq)
+        """Host bytes of lasting state: masters (both halves), frozen weights and Adam moments; the gradient
+        is transient."""
+        tensors = (self.master, self.master_low, self.frozen, self.exp_avg, self.exp_avg_sq)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def buffers(self) -> list[torch.Tensor | None]:
+        return [self.master, self.frozen, self.master_low, self.grad if not self.grad_lent else None,
+                self._own_half_grad, self.exp_avg, self.exp_avg_sq]
+
+    def relayout(self, trainable: set[int]) -> FlatStore:
+        """A new store of the same parameters with ``trainable`` (ids) in the trainable region, values,
+        moments, low halves and held gradients carried over; the parameters become its views. Between
+        steps only (no bf16 gradients held, no pooled buffer lent). The caller re-points optimizer state
+        (``HostOptimizer.adopt_state``) and lets this store's buffers go (``PinnedRegistry.release``)."""
+        assert self.half_grad is None and not self.grad_lent, "a store is laid out again only between steps"
+        old_grads = {id(p): p.grad for p in self.trainable if p.grad is not None}
+        moments = dict(zip(map(id, self.trainable), zip(self.train_views(self.exp_avg), self.train_views(self.exp_avg_sq))))
+        lows = dict(zip(map(id, self.trainable), self.train_views(self.master_low)))
+        for p in self.trainable:
+            p.grad = None  # before the new store re-points .data: a grad's shape must follow
+        new = FlatStore(self.params, self._pins, self.host_state, self.compensate, trainable=trainable)
+        with torch.no_grad():
+            if moments and new.n_trainable:
+                ea, eas = new.moment_buffers()
+                for p, m, v in zip(new.trainable, new.train_views(ea), new.train_views(eas)):
+                    if id(p) in moments:
+                        m.copy_(moments[id(p)][0])
+                        v.copy_(moments[id(p)][1])
+            for p, low in zip(new.trainable, new.train_views(new.master_low)):
+                if id(p) in lows:
+                    low.copy_(lows[id(p)])
+            if old_grads:
+                new.grad_buffer()
+                for p, view in zip(new.trainable, new.grad_views):
+                    g = old_grads.get(id(p))
+                    if g is not None:
+                        view.copy_(g)
+                        p.grad = view
+        return new
+
+
+def trainable_first(params: Sequence[nn.Parameter], trainable: set[int] | None) -> tuple[FlatLayout, int]:
+    """The layout with the trainable parameters first (each group in its given order), and their count."""
+    ids = {id(p) for p in params if p.requires_grad} if trainable is None else trainable
+    train = [p for p in params if id(p) in ids]
+    rest = [p for p in params if id(p) not in ids]
+    return FlatLayout(train + rest), len(train)
+
+
+def region_split(layout: FlatLayout, n_trainable: int) -> int:
+    """Where the frozen region starts: the aligned end of the trainable parameters."""
+    if n_trainable == len(layout.params):
+        return layout.numel
+    return layout.offsets[n_trainable]

@@ -80,8 +80,8 @@ class _Range:
         if self._views is None:
             ea, eas = self.store.moment_buffers()
             low = self.store.master_low
-            layout = self.store.layout
-            self._views = layout.views(ea), layout.views(eas), layout.views(low) if low is not None else None
+            views = self.store.train_views
+            self._views = views(ea), views(eas), views(low) if low is not None else None
         return self._views
 
     def ensure_state(self, st: dict[str, Any], i: int) -> dict[str, Any]:
@@ -149,17 +149,6 @@ class HostOptimizer:
         self.optimizer = optimizer
         if on_zero_grad is not None:
             chain_zero_grad(optimizer, on_zero_grad)
-        where: dict[int, tuple[FlatStore, int]] = {}
-        for store in stores:
-            for i, p in enumerate(store.params):
-                where[id(p)] = (store, i)
-        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in where]
-        if missing:
-            raise ValueError(
-                f"{type(optimizer).__name__} holds {len(missing)} tensors that are not parameters of the "
-                "LightningModule; MegaTrainStrategy keeps optimizer state for the module's parameters only. "
-                "Build the optimizer from `self.parameters()` (or subsets of it) in configure_optimizers."
-            )
         self.fast = is_fast_adam(optimizer)
         self.compact = any(s.compact for s in stores)
         if self.compact and not self.fast:
@@ -172,22 +161,50 @@ class HostOptimizer:
             )
         self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
         self.update_seconds = 0.0  # host time spent in those overlapped updates, over the run
-        # ranges[g]: per store, the layout indices of the params of group g (contiguous by construction).
         self.ranges: list[list[_Range]] = []
-        for group in optimizer.param_groups:
-            per_store: dict[int, tuple[FlatStore, list[int]]] = {}
-            for p in group["params"]:
-                store, i = where[id(p)]
-                per_store.setdefault(id(store), (store, []))[1].append(i)
-            self.ranges.append([_Range(s, sorted(ix)) for s, ix in per_store.values()])
-        if self.fast:
-            self.adopt_state()
+        self._bound_groups: list[list[int]] = []
+        self.bind(stores)
         if self.compact:
             # torch's load_state_dict casts every state tensor to its parameter's dtype (bf16), which
             # would round the int16 low halves: set them aside before, put them back after.
             self._held_low: dict[int, torch.Tensor] = {}
             optimizer.register_load_state_dict_pre_hook(self._hold_low_halves)
             optimizer.register_load_state_dict_post_hook(self._restore_low_halves)
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter the optimizer holds, in its param groups (those added later included)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def bind(self, stores: Sequence[FlatStore]) -> None:
+        """Map every param group onto the stores (at setup; again when a group was added or a store laid
+        out again): ``ranges[g]`` holds, per store, the layout indices of group g's parameters."""
+        where: dict[int, tuple[FlatStore, int]] = {}
+        for store in stores:
+            for i, p in enumerate(store.params):
+                where[id(p)] = (store, i)
+        missing = [p for p in self.params() if id(p) not in where]
+        if missing:
+            raise ValueError(
+                f"{type(self.optimizer).__name__} holds {len(missing)} tensors that are not parameters of the "
+                "LightningModule; MegaTrainStrategy keeps optimizer state for the module's parameters only. "
+                "Build the optimizer from `self.parameters()` (or subsets of it) in configure_optimizers."
+            )
+        assert all(where[id(p)][1] < where[id(p)][0].n_trainable for p in self.params()), \
+            "the engine lays the optimizer's parameters out in the trainable region"
+        self.ranges = []
+        for group in self.optimizer.param_groups:
+            per_store: dict[int, tuple[FlatStore, list[int]]] = {}
+            for p in group["params"]:
+                store, i = where[id(p)]
+                per_store.setdefault(id(store), (store, []))[1].append(i)
+            self.ranges.append([_Range(s, sorted(ix)) for s, ix in per_store.values()])
+        self._bound_groups = [list(map(id, g["params"])) for g in self.optimizer.param_groups]
+        if self.fast:
+            self.adopt_state()
+
+    def groups_changed(self) -> bool:
+        """Whether the param groups (or their parameters) changed since :meth:`bind` (``add_param_group``)."""
+        return [list(map(id, g["params"])) for g in self.optimizer.param_groups] != self._bound_groups
 
     # ------------------------------------------------------------------ state
     def adopt_state(self) -> None:

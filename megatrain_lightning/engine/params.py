@@ -1,0 +1,125 @@
+"""The module's own parameters, as the model (not the engine) treats them.
+
+The engine owns where the parameters live; the model decides what they are: which train (frozen weights,
+``requires_grad`` toggled, groups added to an optimizer), what is written to them between steps (an EMA
+swap, ``load_state_dict``, ``p.data = ...``), where they are read (a loss term on a block's weight, a tie
+that is not registered), and their dtype. What the engine does about each:
+
+* :func:`make_trainable`: a parameter that starts to train gets its place in the trainable region of its
+  store (the store is laid out again, between steps);
+* :func:`reclaim`: weights written outside the optimizer are taken back into the stores, and every device
+  copy is refreshed before its next use;
+* :class:`OutsideUse`: a block parameter used outside its block gets the two shares of its gradient
+  added, and its block is updated after the backward;
+* :func:`upcast_buffers`: a module given in bf16 trains fp32 masters (one log line), its buffers follow.
+
+The functions take the engine (:class:`~megatrain_lightning.engine.engine.StreamingEngine`) as ``engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .phase import Phase, StepState
+from .slots import BlockBinding
+from .store import FlatStore
+
+log = logging.getLogger(__name__)
+
+
+def make_trainable(engine: Any, params: Sequence[nn.Parameter] = ()) -> bool:
+    """Lay out again every store in which ``params``, or a parameter that now requires grad, sits in the
+    frozen region (an optimizer holds it, or it was unfrozen), so that it gets a master, gradient and
+    moments. Waits for the host updates first (nothing may write the old buffers meanwhile). Returns
+    whether anything changed (the caller's host optimizers then bind the stores again)."""
+    wanted = {id(p) for p in params}
+    todo = [(key, store) for key, store in engine.keyed_stores()
+            if any(id(p) in wanted or p.requires_grad for p in store.params[store.n_trainable :])]
+    if not todo:
+        return False
+    engine.settle()  # host sync: every update has run, every gradient is home
+    for key, store in todo:
+        new = store.relayout({id(p) for p in store.params[: store.n_trainable]}
+                             | {id(p) for p in store.params if id(p) in wanted or p.requires_grad})
+        if key >= 0:
+            engine.stores[key] = engine.weights.stores[key] = new
+            binding = BlockBinding(engine.blocks[key], new.params)
+            binding.device_buffers = engine.bindings[key].device_buffers
+            engine.bindings[key] = binding
+            engine.weights.relaid(key)
+        else:
+            engine.resident.relaid(key, new)
+        engine.pins.release(store.buffers())
+    engine.grads.fit(engine.grad_numel(), max(s.train_numel for s in engine.stores))
+    return True
+
+
+def reclaim(engine: Any) -> None:
+    """Weights may have been written outside the optimizer (a callback's ``p.data.copy_``, an EMA swap,
+    ``load_state_dict``, ``p.data = other``): a parameter whose ``.data`` is no longer its store view is
+    copied back into it and re-pointed, and every device copy is refreshed before its next use. Version
+    counters cannot tell: ``p.data.copy_`` bumps none."""
+    with torch.no_grad():
+        for store in engine.all_stores():
+            for p, view in zip(store.params, store.master_views):
+                if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                    view.copy_(p.detach().reshape(view.shape))
+                    p.data = view
+    engine.weights_changed()
+
+
+def upcast_buffers(engine: Any) -> None:
+    """Trainable parameters given in bf16/fp16 became fp32 masters (one log line says so); the module's
+    floating buffers follow, so that the module computes as its fp32 self would."""
+    dtypes = sorted({str(t.dtype) for s in engine.all_stores() for t in s.upcast_from})
+    log.info("megatrain_lightning: %d trainable parameters held in %s were upcast into fp32 host masters "
+             "(the host optimizer steps fp32 weights; %s keeps frozen ones as they are)",
+             len(engine.upcast), ", ".join(dtypes), type(engine.root).__name__)
+    for m in engine.root.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype in (torch.bfloat16, torch.float16):
+                m._buffers[name] = b.float()
+    for binding in engine.bindings:
+        binding.refresh_buffers(engine.device)
+
+
+class OutsideUse:
+    """Watches block parameters for gradients that autograd accumulates on them directly.
+
+    Inside the engine a block's weights are slot views, never leaves: a hook that fires on a block's
+    host parameter means the model also used it outside the block's forward (a loss term on the weight, a
+    tie that is not registered). Its gradient is added to the block's own when that is sent
+    (``GradPath``), and the block is updated after the backward from then on, never early (``blocks``). A
+    share that arrives after the block's own was sent (``sent``, this micro-batch) is refused.
+    """
+
+    def __init__(self, state: StepState, stores: Sequence[FlatStore], blocks: Sequence[nn.Module]) -> None:
+        self.state = state
+        self.stores = stores  # the engine's list (laid-out-again stores replace their entries)
+        self.block_modules = blocks
+        self.blocks: set[int] = set()  # blocks whose parameters the model also uses outside them
+        self.sent: set[int] = set()  # blocks whose gradients went home in this micro-batch
+        self._hooks = [p.register_post_accumulate_grad_hook(self._landed)
+                       for s in stores for p in s.params if p.requires_grad]
+
+    def _landed(self, param: torch.Tensor) -> None:
+        if self.state.phase is Phase.IDLE and not self.state.step_open:
+            return  # a plain host module outside any step
+        block = next(i for i, s in enumerate(self.stores) if any(p is param for p in s.params))
+        self.blocks.add(block)
+        if block in self.sent:
+            raise RuntimeError(
+                f"MegaTrainStrategy: a parameter of streamed block {block} ({type(self.block_modules[block]).__name__}, "
+                f"shape {tuple(param.shape)}) got a gradient from outside that block after the block's own had "
+                "gone home: the model reads it elsewhere before the block runs (a tie that is not registered, a "
+                "term on the weight). Register the tie as a shared parameter of a resident module, compute the "
+                "term inside the block, or stream another level with block_class=...")
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
