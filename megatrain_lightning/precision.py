@@ -12,6 +12,7 @@ gradients, and steps the optimizer on the host store.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Generator, Literal
 
 import lightning.pytorch as pl
@@ -20,7 +21,10 @@ from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from .engine import StreamingEngine
+from .interrupts import DeferredInterrupt
 from .optim import HostOptimizer
+
+log = logging.getLogger(__name__)
 
 _PRECISION = Literal["32-true", "bf16-mixed"]
 
@@ -46,6 +50,13 @@ class MegaTrainPrecision(Precision):
         self.host_optimizers: dict[int, HostOptimizer] = {}
         # Set by the strategy per training step: the overlapped updates may run on into the next forward.
         self.defer_updates = False
+        # Set by the strategy: skip steps with a non-finite loss (or gradients), stop after this many in a row
+        self.skip_nonfinite = 0
+        self.skipped_steps = 0  # over the run
+        self._consecutive = 0
+        self._skip_window = False  # a micro-batch of the current accumulation window had a non-finite loss
+        self.interrupts = DeferredInterrupt()
+        self.on_abort: Callable[[BaseException], None] | None = None  # the strategy's: consistent state after an exception
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -78,10 +89,20 @@ class MegaTrainPrecision(Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        model.backward(tensor, *args, **kwargs)
-        if self.engine is not None:
-            # Host sync point: all gradients are in host memory before on_after_backward sees them.
-            self.engine.finish_backward()
+        if self.skip_nonfinite and self.engine is not None and not bool(torch.isfinite(tensor.detach()).all()):
+            # host sync point (one scalar, before any update can start): this step will be skipped
+            self._skip_window = True
+            self.engine.finish_backward()  # no backward: the micro-batch ends without gradients
+            return
+        try:
+            model.backward(tensor, *args, **kwargs)
+            if self.engine is not None:
+                # Host sync point: all gradients are in host memory before on_after_backward sees them.
+                self.engine.finish_backward()
+        except BaseException as exc:
+            if self.on_abort is not None:
+                self.on_abort(exc)
+            raise
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -93,11 +114,35 @@ class MegaTrainPrecision(Precision):
     ) -> Any:
         if kwargs:
             raise TypeError(f"MegaTrainStrategy steps the optimizer on the host without arguments, got {sorted(kwargs)}")
+        self.interrupts.arm()  # a Ctrl-C from here to the step's end waits for it (interrupts.py)
+        try:
+            closure_result = self._step(optimizer, model, closure)
+        except BaseException as exc:
+            self.interrupts.release()
+            self.interrupts.drop()
+            if self.on_abort is not None:
+                self.on_abort(exc)
+            raise
+        self.interrupts.release()  # a held Ctrl-C is raised once Lightning has counted the step
+        return closure_result
+
+    def _step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any]) -> Any:
         closure_result = closure()
         claimed: set[int] = set()
         if self.engine is not None:
             self.engine.settle(wait=not self.defer_updates)
             claimed = self.engine.take_claimed()
+        if self.skip_nonfinite and self.engine is not None:
+            finite = self.engine.gradients_finite()  # host sync: one scalar
+            if self._skip_window or not finite:
+                if claimed:  # an early update ran (its own gradients were checked, and were finite)
+                    raise FloatingPointError(
+                        "non-finite gradients although the loss was finite, after some of the step's host updates "
+                        "had run: the step cannot be skipped whole. Turn off the overlap for such runs "
+                        "(EngineConfig(overlap_optimizer=False)) or find the operation that makes them.")
+                self._skip(model, "loss" if self._skip_window else "gradients")
+                return closure_result
+            self._consecutive = 0
         self._after_closure(model, optimizer)  # on_before_optimizer_step, configure_gradient_clipping
         host = self.host_optimizers.get(id(optimizer))
         if host is None:
@@ -107,3 +152,18 @@ class MegaTrainPrecision(Precision):
         if self.engine is not None:
             self.engine.weights_changed()
         return closure_result
+
+    def _skip(self, model: "pl.LightningModule", what: str) -> None:
+        """A step with a non-finite loss or gradients: no update (masters, moments and step counts as they
+        were), counted and logged; after ``skip_nonfinite`` in a row, training stops."""
+        self._skip_window = False
+        self.skipped_steps += 1
+        self._consecutive += 1
+        step = model.trainer.global_step if model._trainer is not None else -1
+        log.warning("MegaTrainStrategy: step %d skipped, its %s is not finite (%d in a row, %d in all)",
+                    step, what, self._consecutive, self.skipped_steps)
+        if self._consecutive >= self.skip_nonfinite:
+            raise FloatingPointError(
+                f"MegaTrainStrategy: {self._consecutive} steps in a row had a non-finite {what} "
+                f"(skip_nonfinite={self.skip_nonfinite}): stopping. The weights and optimizer state are those "
+                "before the first of them; lower the learning rate or look for the batch that overflows.")

@@ -28,6 +28,7 @@ from . import host_memory
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .config import EngineConfig
+from .errors import CheckpointError
 from .plan.fit import check_host_at_setup, setup_shape
 from .engine import StreamingEngine
 from .init import initializer_for
@@ -77,6 +78,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_class: type | str | Sequence[type | str] | None = None,
         device: _DEVICE | None = None,
         meta_init: bool = True,
+        skip_nonfinite: int = 0,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -88,6 +90,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if engine is not None and not isinstance(engine, EngineConfig):
             raise TypeError(f"engine={engine!r}: expected an EngineConfig (megatrain_lightning.EngineConfig)")
         self.config = engine or EngineConfig()
+        if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
+            raise ValueError(f"skip_nonfinite={skip_nonfinite!r}: a number of consecutive steps, >= 0 (0: off)")
+        self.skip_nonfinite = skip_nonfinite
+        self._torn: str | None = None  # why the module holds a mix of two steps (an exception mid-step)
+        self._aborted: BaseException | None = None
         self.block_class = block_class
         self.meta_init = meta_init
         self._explicit_device = torch.device(device) if device is not None else None
@@ -197,6 +204,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # optimizer's (chained by HostOptimizer), its LightningOptimizer wrapper's (a subclass instance
         # that does not forward zero_grad), and the module's own.
         precision.attach(self.engine, hosts)
+        precision.skip_nonfinite = self.skip_nonfinite
+        precision.on_abort = self._abort
+        self.engine.check_finite(self.skip_nonfinite > 0)
+        self._torn = None
         self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
         for wrapper in self._lightning_optimizers:
             chain_zero_grad(wrapper, self.engine.zero_grad)
@@ -218,7 +229,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         note = f"MemAvailable {host_memory.meminfo_available() / 1e9:,.1f} GB" + (
             f", cgroup limit {limit[0] / 1e9:,.1f} GB with {limit[1] / 1e9:,.1f} GB in use" if limit else "") + (
             f", {vm / 1e9:,.1f} GB of address space left under ulimit -v" if vm is not None else "")
-        check_host_at_setup(type(module).__name__, setup_shape(sum(p.numel() for p in params.values()), sizes),
+        trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+        frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+        shape = setup_shape(sum(p.numel() for p in params.values()), sizes, trainable, frozen_bytes)
+        check_host_at_setup(type(module).__name__, shape,
                             self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
                             released, host_memory.available_bytes(), note)
 
@@ -310,12 +324,48 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_trainable()
         self._refresh_if_written()
-        with self._step(wait=False):
-            if self.engine is not None:
-                host = self._overlap_target()
-                self.engine.on_grads_final = host.overlap_update() if host is not None else None
-                self.precision_plugin.defer_updates = host is not None and self._may_defer(host)
-            return super().training_step(*args, **kwargs)
+        interrupts = self.precision_plugin.interrupts
+        interrupts.arm()  # a Ctrl-C waits for the step's end (the optimizer step's, in automatic optimisation)
+        try:
+            with self._step(wait=False):
+                if self.engine is not None:
+                    host = self._overlap_target()
+                    self.engine.on_grads_final = host.overlap_update() if host is not None else None
+                    self.precision_plugin.defer_updates = host is not None and self._may_defer(host)
+                out = super().training_step(*args, **kwargs)
+        except BaseException as exc:
+            interrupts.release()
+            interrupts.drop()
+            self._abort(exc)
+            raise
+        interrupts.release()
+        return out
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.precision_plugin.interrupts.deliver()  # a Ctrl-C held by the last step, now that it is counted
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.precision_plugin.interrupts.deliver()
+        super().on_validation_start()
+
+    def _abort(self, exc: BaseException) -> None:
+        """An exception ends the step: the engine cancels what had not started; if updates of the step had
+        run, the weights are a mix of two steps and saving them is refused from now on (``_torn``)."""
+        if self.engine is None or exc is self._aborted:
+            return
+        self._aborted = exc
+        ran, failed = self.engine.abort_step()
+        if (ran or failed) and self._torn is None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            step = trainer.global_step if trainer is not None else "?"
+            what = f"{ran} of its host updates had run" + (f" and {failed} had failed" if failed else "")
+            self._torn = (
+                f"the step after global_step {step} was stopped by {type(exc).__name__}: {exc} after {what}, so "
+                "the weights and optimizer state mix two steps"
+            )
 
     def _sync_trainable(self) -> None:
         """Before a step: parameters unfrozen or added to an optimizer since the last one (``BaseFinetuning``'s
@@ -402,14 +452,24 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def on_train_end(self) -> None:
         self._settle()  # the last step's updates have run before fit returns
+        self.precision_plugin.interrupts.deliver()
+
+    def _refuse_if_torn(self) -> None:
+        if self._torn is not None:
+            raise CheckpointError(
+                f"MegaTrainStrategy refuses to save: {self._torn}. A checkpoint of it would resume a model that "
+                "no run trained; resume from the last checkpoint written before (its step is complete)."
+            )
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        self._refuse_if_torn()
         self._settle()  # the moments and step counts of every update of the step
         return super().optimizer_state(optimizer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._refuse_if_torn()
         self._settle()  # resident parameters must be their host masters while the state is read
         return super().lightning_module_state_dict()
 

@@ -142,6 +142,7 @@ class StreamingEngine:
     def open_step(self) -> None:
         """Enter a step: resident weights go to the device and the first blocks start streaming in."""
         self.state.open()
+        self.updates.begin_step()
         self.resident.open()
         self.weights.start()
 
@@ -184,6 +185,36 @@ class StreamingEngine:
         else:
             self.on_grads_final = None
 
+    def abort_step(self) -> tuple[int, int]:
+        """An exception ends the step in flight (or a KeyboardInterrupt that could not wait): the step's
+        updates not yet started are cancelled, the others waited for, every buffer lent to them goes back,
+        the resident parameters go home and the stash is dropped, so that the next step (or a checkpoint)
+        finds a consistent engine. Returns (how many of the step's updates ran, how many updates of any
+        step failed): (0, 0) means the masters and moments are exactly the state before the step; anything
+        else a mix of two steps (the caller refuses to save it)."""
+        ran = self.updates.abort_step()
+        self.grads.abort()
+        for store in self.all_stores():
+            store.drop_half_grad()
+        self.resident.to_host(None)
+        self.resident.end_backward()
+        self.offload.reset()
+        self.state.end_micro_batch()
+        self.state.step_open = False
+        self.outside.sent = set()
+        self.on_grads_final = None
+        self.weights_changed()
+        return ran
+
+    def check_finite(self, on: bool) -> None:
+        """Check every store's gradients on the device before they leave (``gradients_finite``), and have
+        early updates refuse non-finite ones."""
+        self.grads.check_finite = on
+
+    def gradients_finite(self) -> bool:
+        """Whether every gradient since the last call was finite (host sync; see ``check_finite``)."""
+        return self.grads.gradients_finite()
+
     def wait_updates(self) -> None:
         """Host sync point: the overlapped optimizer updates of this step have all run."""
         self.on_grads_final = None
@@ -207,10 +238,6 @@ class StreamingEngine:
         """See :func:`~megatrain_lightning.engine.params.reclaim`."""
         _params.reclaim(self)
 
-    def ensure_resident(self) -> None:
-        """Point every resident parameter at its device copy (refreshed first if the masters changed)."""
-        self.resident.ensure_all()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's ``zero_grad`` is about to run. An update still running on from the last step
         reads the gradients it would clear: wait for those first (normally done: the forward awaited them).
@@ -219,10 +246,6 @@ class StreamingEngine:
         if self.updates.pending():
             self.updates.wait_all()
         self.resident.zero_grad(set_to_none)
-
-    @property
-    def phase(self) -> Phase:
-        return self.state.phase
 
     # ------------------------------------------------------------------ blocks (BlockRunner)
     def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:

@@ -46,6 +46,7 @@ class GradPath:
         pool_buffers: int = 0,
         pool_numel: int = 0,
         half: bool | None = False,
+        check_finite: bool = False,
     ) -> None:
         self.streams = streams
         self.numel = numel
@@ -72,7 +73,12 @@ class GradPath:
         self.pool_free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.pool_made = 0
         self._pool_all: list[torch.Tensor] = []
-
+        self._lent_to: dict[int, tuple[FlatStore, torch.Tensor]] = {}  # id(store) -> the buffer it holds
+        # check_finite: each store's gradients are checked on the device before they leave, and its early
+        # update refuses non-finite ones (a flag in pinned memory that lands with the copy)
+        self.check_finite = check_finite
+        self._finite: dict[int, torch.Tensor] = {}  # id(store) -> its pinned flag
+        self.window_finite: torch.Tensor | None = None  # device: all gradients since the last reset finite
     def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None = None,
              priority: int = 0) -> Future | None:
         """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
@@ -116,10 +122,22 @@ class GradPath:
         held = [p.grad is not None for p in trainable]
         assert lent is None or direct  # a lent buffer holds nothing yet: its store's copy lands straight in it
         # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
+        flag = None
+        if self.check_finite:
+            finite = torch.isfinite(slab).all().reshape(1)  # on the device, ordered after the packing
+            if self.window_finite is None:
+                self.window_finite = torch.ones(1, dtype=torch.bool, device=self.streams.device)
+            self.window_finite.logical_and_(finite)
+            if then is not None:  # the store's early update checks its own flag
+                flag = self._finite.setdefault(id(store), self.pins.empty(1, torch.bool))
         done = self.slab_done[k] = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(self.streams.d2h, self.slab_written[k])
             target.copy_(slab, non_blocking=True)
+            if flag is not None:
+                flag.copy_(finite, non_blocking=True)
+                if self.streams.cuda:
+                    finite.record_stream(self.streams.d2h)
             done.record(self.streams.d2h)
         if not half:
             # Attach before the worker may look: the overlapped update reads ``p.grad``.
@@ -137,7 +155,51 @@ class GradPath:
             return self.worker.submit(priority, then, store, ready=fut.done)
         if then is None:
             return None
-        return self.worker.submit(priority, _after_copy, done, store, then, lent, self.pool_free, half, ready=done.query)
+        if lent is not None:
+            self._lent_to[id(store)] = (store, lent)
+        return self.worker.submit(priority, self._after_copy, done, store, then, lent, half, flag, ready=done.query)
+
+    def _after_copy(self, done: Any, store: FlatStore, then: Update, lent: torch.Tensor | None, half: bool,
+                    flag: torch.Tensor | None) -> None:
+        """Host worker: the update, once the device->host copy into the accumulator has landed."""
+        done.synchronize()
+        try:
+            if flag is not None and not bool(flag[0]):
+                raise FloatingPointError(
+                    f"non-finite gradients in a store of {store.numel:,} parameters although the loss was finite; "
+                    "its update is refused (the step is stopped)")
+            then(store)
+        finally:
+            # Buffer lifetime: the update has read the gradients; bf16 ones are let go, a lent buffer goes back.
+            self._give_back(store, lent, half)
+
+    def _give_back(self, store: FlatStore, lent: torch.Tensor | None, half: bool) -> None:
+        if half:
+            store.drop_half_grad()
+        elif lent is not None:
+            store.return_grad()
+        if lent is not None:
+            self._lent_to.pop(id(store), None)
+            self.pool_free.put(lent)
+
+    def gradients_finite(self) -> bool:
+        """Whether every gradient sent since the last call was finite (a host sync on one device scalar);
+        resets the record. True when nothing was checked."""
+        flag, self.window_finite = self.window_finite, None
+        return True if flag is None else bool(flag.item())
+
+    def abort(self) -> None:
+        """After an aborted step (its updates cancelled): buffers lent to updates that never ran go back,
+        bf16 gradients held for them are let go, accumulation jobs are waited for (errors dropped)."""
+        if self.streams.cuda:
+            self.streams.d2h.synchronize()
+        for fut in self.pending:
+            if not fut.cancel():
+                fut.exception()
+        self.pending.clear()
+        self.busy.clear()
+        for store, lent in list(self._lent_to.values()):
+            self._give_back(store, lent, store.half_grad is not None)
 
     def _adopt_foreign(self, store: FlatStore) -> None:
         """A ``.grad`` that is not the store's view (autograd put it there: the model used the parameter
@@ -225,22 +287,6 @@ class GradPath:
     def close(self) -> None:
         self.drain()
         self.slabs = []
-
-
-def _after_copy(done: Any, store: FlatStore, then: Update, lent: torch.Tensor | None,
-                pool: "queue.SimpleQueue[torch.Tensor]", half: bool) -> None:
-    """Host worker: the update, once the device->host copy into the accumulator has landed."""
-    done.synchronize()
-    try:
-        then(store)
-    finally:
-        # Buffer lifetime: the update has read the gradients; bf16 ones are let go, a lent buffer goes back.
-        if half:
-            store.drop_half_grad()
-        elif lent is not None:
-            store.return_grad()
-        if lent is not None:
-            pool.put(lent)
 
 
 def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[bool], held: list[bool]) -> None:

@@ -153,10 +153,6 @@ class ResidentParts:
         for part in self.parts:
             self.ensure(part, wait=part.key != RESIDENT_AFTER)
 
-    def ensure_all(self) -> None:
-        for part in self.parts:
-            self.ensure(part)
-
     def ensure(self, part: ResidentPart, wait: bool = True) -> None:
         """One part onto the device (refreshed first if its masters changed); without ``wait``, only if its
         update (if one runs on) has run."""

@@ -23,6 +23,7 @@ class UpdateTracker:
         self._by_key: dict[int, Future] = {}
         self._all: list[Future] = []  # every update not yet known to have run (failed ones stay)
         self._claimed: set[int] = set()  # ids of the stores updated this way since take_claimed()
+        self._current: list[Future] = []  # the updates of the step in flight (since begin_step)
 
     def add(self, key: int, store: FlatStore, fut: Future) -> None:
         """``store``'s update of this step runs as ``fut``; the optimizer step must skip the store."""
@@ -31,6 +32,27 @@ class UpdateTracker:
         # Updates that run on into the next step are never waited for in bulk: drop finished ones here
         self._all = [f for f in self._all if not f.done() or f.exception() is not None]
         self._all.append(fut)
+        self._current.append(fut)
+
+    def begin_step(self) -> None:
+        """A new step begins: updates added from now on are its own (those of earlier steps may still run)."""
+        self._current = []
+
+    def abort_step(self) -> tuple[int, int]:
+        """An exception ends the step in flight: its updates not yet started are cancelled, every other one
+        is waited for (host sync; their failures are dropped: the step's own exception is the one to see).
+        Returns (how many of this step's updates ran, how many updates of any step failed): either means
+        the masters and moments no longer are one step's."""
+        ran = failed = 0
+        for fut in self._current:
+            if not fut.cancel():
+                failed += fut.exception() is not None  # host wait
+                ran += 1
+        for fut in self._all:
+            if fut not in self._current and not fut.cancelled():
+                failed += fut.exception() is not None  # an earlier step's update, running on
+        self._all, self._current, self._by_key, self._claimed = [], [], {}, set()
+        return ran, failed
 
     def pending(self) -> bool:
         return bool(self._by_key)
@@ -54,7 +76,7 @@ class UpdateTracker:
         (after all of them have stopped: none still writes a master while the caller handles it)."""
         first: BaseException | None = None
         for fut in self._all:
-            exc = fut.exception()  # host wait
+            exc = None if fut.cancelled() else fut.exception()  # host wait
             first = first or exc
         self._all.clear()
         self._by_key.clear()

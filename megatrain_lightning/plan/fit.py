@@ -178,12 +178,14 @@ def device_state_warning(num_params: int, device_memory_gb: float, strategy: str
     )
 
 
-def setup_shape(total_params: int, block_sizes: list[int]) -> PlanShape:
+def setup_shape(total_params: int, block_sizes: list[int], trainable_params: int | None = None,
+                frozen_bytes: float = 0.0) -> PlanShape:
     """Counts of a module about to be streamed, for the host check at setup (any module: widths unknown)."""
     blocks = sum(block_sizes)
     return PlanShape(total_params=total_params, block_params=blocks, largest_block=max(block_sizes, default=0),
                      resident_params=total_params - blocks, head_params=0, layers=len(block_sizes), heads=1,
-                     head_dim=1, kv_dim=1, hidden=1, intermediate=1, vocab=1)
+                     head_dim=1, kv_dim=1, hidden=1, intermediate=1, vocab=1, trainable_params=trainable_params,
+                     frozen_bytes=frozen_bytes)
 
 
 def check_host_at_setup(model: str, shape: PlanShape, engine: EngineConfig, accumulate: int, clip: bool,

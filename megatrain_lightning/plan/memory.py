@@ -49,11 +49,12 @@ def resident_part_params(shape: PlanShape, run: Run) -> int:
 def grad_host_bytes(shape: PlanShape, run: Run) -> float:
     """Gradients on the host: full-size accumulators (bf16 for blocks with ``half_grads``), or the pool
     plus the stores larger than a block."""
+    f = shape.trained_fraction  # frozen weights have no gradient (an even spread across stores assumed)
     if not run.pooled_grads:
         block_b = 2 if run.half_grads else GRAD_B
-        return block_b * shape.block_params + GRAD_B * shape.resident_params
+        return f * (block_b * shape.block_params + GRAD_B * shape.resident_params)
     own = shape.resident_params if shape.resident_params > shape.largest_block else 0
-    return GRAD_B * (run.grad_buffers * shape.largest_block + own)
+    return f * GRAD_B * (run.grad_buffers * shape.largest_block + own)
 
 
 def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
@@ -63,18 +64,21 @@ def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
     grad_item = (f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads
                  else "grad buffers (blocks 2 B/param bf16, resident 4)" if run.half_grads
                  else "fp32 grad accumulator (4 B/param)")
+    t = shape.trained
     if run.compact:
         state = {
-            "master, bf16 + int16 halves (4 B/param)": MASTER_B * shape.total_params,
+            "master, bf16 + int16 halves (4 B/param)": MASTER_B * t,
             grad_item: grad_host_bytes(shape, run),
-            "AdamW moments, bf16 (4 B/param)": MOMENTS_B // 2 * shape.total_params,
+            "AdamW moments, bf16 (4 B/param)": MOMENTS_B // 2 * t,
         }
     else:
         state = {
-            "fp32 master (4 B/param)": MASTER_B * shape.total_params,
+            "fp32 master (4 B/param)": MASTER_B * t,
             grad_item: grad_host_bytes(shape, run),
-            "AdamW moments (8 B/param)": MOMENTS_B * shape.total_params,
+            "AdamW moments (8 B/param)": MOMENTS_B * t,
         }
+    if shape.trainable_params is not None:
+        state["frozen weights (their own dtype)"] = shape.frozen_bytes
     saved_input = run.work.tokens * shape.hidden * 4
     e = run.engine
     offloaded = (shape.layers - min(e.keep_activations, shape.layers)) if e.offload_inputs else 0

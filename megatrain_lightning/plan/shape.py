@@ -22,6 +22,18 @@ class PlanShape:
     hidden: int
     intermediate: int
     vocab: int
+    # Frozen weights (no master, gradient or moments): how many parameters train, and the host bytes of the
+    # rest in their own dtype. None: every parameter trains.
+    trainable_params: int | None = None
+    frozen_bytes: float = 0.0
+
+    @property
+    def trained(self) -> int:
+        return self.total_params if self.trainable_params is None else self.trainable_params
+
+    @property
+    def trained_fraction(self) -> float:
+        return self.trained / max(self.total_params, 1)
 
     @classmethod
     def of(cls, model: Any) -> PlanShape:
