@@ -89,7 +89,7 @@ class MegaTrainPrecision(Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        if self.skip_nonfinite and self.engine is not None and not bool(torch.isfinite(tensor.detach()).all()):
+        if self.skip_nonfinite and self.engine is not None and not self._finite_everywhere(tensor):
             # host sync point (one scalar, before any update can start): this step will be skipped
             self._skip_window = True
             self.engine.finish_backward()  # no backward: the micro-batch ends without gradients
@@ -103,6 +103,22 @@ class MegaTrainPrecision(Precision):
             if self.on_abort is not None:
                 self.on_abort(exc)
             raise
+
+    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite, on every rank under data parallel (a host sync: one scalar)."""
+        finite = bool(torch.isfinite(loss.detach()).all())
+        assert self.engine is not None
+        replicas = self.engine.replicas
+        return replicas.all_true(finite, loss.device) if replicas.parallel else finite
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float | int) -> None:
+        if self.engine is not None and self.engine.replicas.parallel:
+            from .data_parallel import clip_grad_norm
+
+            clip_grad_norm(self.engine, list(self.main_params(optimizer)), float(clip_val))
+            return
+        super().clip_grad_by_norm(optimizer, clip_val)
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -134,6 +150,8 @@ class MegaTrainPrecision(Precision):
             claimed = self.engine.take_claimed()
         if self.skip_nonfinite and self.engine is not None:
             finite = self.engine.gradients_finite()  # host sync: one scalar
+            if self.engine.replicas.parallel:
+                finite = self.engine.replicas.all_true(finite, self.engine.device)
             if self._skip_window or not finite:
                 if claimed:  # an early update ran (its own gradients were checked, and were finite)
                     raise FloatingPointError(
@@ -148,8 +166,11 @@ class MegaTrainPrecision(Precision):
         if host is None:
             optimizer.step()
         else:
-            host.step(skip=claimed)  # the claimed stores were (or are being) updated on the host worker
+            # the claimed stores were (or are being) updated on the host worker; under data parallel, the
+            # stores another rank of the node owns are updated by that rank
+            host.step(skip=claimed | (self.engine.not_owned() if self.engine is not None else set()))
         if self.engine is not None:
+            self.engine.step_done(claimed)
             self.engine.weights_changed()
         return closure_result
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Generator, Mapping, Sequence
 
 import lightning.pytorch as pl
@@ -18,8 +19,11 @@ import torch
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -28,9 +32,11 @@ from . import host_memory
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .config import EngineConfig
-from .errors import CheckpointError
+from .data_parallel import first_refusal, init_process_group, make_replicas
+from .errors import CheckpointError, ConfigError
 from .plan.fit import check_host_at_setup, setup_shape
 from .engine import StreamingEngine
+from .engine.shared import tmpfs_room
 from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
@@ -38,7 +44,7 @@ from .precision import MegaTrainPrecision
 log = logging.getLogger(__name__)
 
 
-class MegaTrainStrategy(SingleDeviceStrategy):
+class MegaTrainStrategy(ParallelStrategy):
     """Train models larger than device memory: host-resident fp32 state, blocks streamed through the device.
 
     Args:
@@ -86,7 +92,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # Default: sharded, atomic checkpoint directories (TorchCheckpointIO would hold a second copy of
         # all weights and optimizer state in memory while saving).
         checkpoint_io = ShardedCheckpointIO() if checkpoint_io is None else checkpoint_io
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        self._num_nodes = 1
+        self.timeout = timedelta(minutes=30)
         if engine is not None and not isinstance(engine, EngineConfig):
             raise TypeError(f"engine={engine!r}: expected an EngineConfig (megatrain_lightning.EngineConfig)")
         self.config = engine or EngineConfig()
@@ -98,24 +106,67 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.block_class = block_class
         self.meta_init = meta_init
         self._explicit_device = torch.device(device) if device is not None else None
-        self._parallel_devices: list[torch.device] | None = None  # filled by the Trainer's connector
         self.engine: StreamingEngine | None = None
         self._pending_model_state: tuple[Mapping[str, Any], bool] | None = None
         self.precision_plugin = precision_plugin  # type: ignore[assignment]
 
+    # ------------------------------------------------------------------ ranks (data parallel)
     @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
+    def num_nodes(self) -> int:
+        return self._num_nodes
 
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices is not None and len(devices) > 1:
-            raise ValueError(
-                f"MegaTrainStrategy trains on one device; Trainer(devices={len(devices)}) asked for "
-                f"{len(devices)} ({', '.join(str(d) for d in devices)}). Data parallel over several GPUs is not "
-                "available yet: pass devices=1 (and CUDA_VISIBLE_DEVICES or devices=[i] to pick the GPU)."
-            )
-        self._parallel_devices = devices
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connector: with several ranks it gives each a DistributedSampler."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.is_distributed:
+            assert self.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed:
+            assert self.cluster_environment is not None
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            rank_zero_only.rank = self.global_rank
+            init_process_group(self.cluster_environment, self.root_device, self.timeout)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     # ------------------------------------------------------------------ device and precision
     @property
@@ -124,7 +175,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if self._explicit_device is not None:
             return self._explicit_device
         if self.parallel_devices:
-            return self.parallel_devices[0]
+            return self.parallel_devices[self.local_rank if len(self.parallel_devices) > 1 else 0]
         return torch.device("cpu")
 
     @property  # type: ignore[override]
@@ -183,6 +234,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._check_host_memory(module, blocks, trainer)
         # The store comes first: a meta-built model is materialised into it block by block, and the
         # optimizer must then be built on the materialised parameters.
+        replicas = None
+        if self.is_distributed:
+            replicas = make_replicas(self.world_size, self.global_rank, self.num_processes, self.local_rank,
+                                     self.node_rank)
         self.engine = StreamingEngine(
             module,
             blocks,
@@ -190,6 +245,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             compute_dtype=precision.compute_dtype,
             config=self.config.for_blocks(len(blocks)),
             init=initializer_for(module),
+            replicas=replicas,
         )
         if self._pending_model_state is not None:  # a checkpoint restored before setup
             pending, self._pending_model_state = self._pending_model_state, None
@@ -232,9 +288,22 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
         frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
         shape = setup_shape(sum(p.numel() for p in params.values()), sizes, trainable, frozen_bytes)
-        check_host_at_setup(type(module).__name__, shape,
-                            self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
-                            released, host_memory.available_bytes(), note)
+        refusal = None
+        try:
+            check_host_at_setup(type(module).__name__, shape,
+                                self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
+                                released, host_memory.available_bytes(), note,
+                                ranks_per_node=self.num_processes if self.is_distributed else 1,
+                                tmpfs=tmpfs_room() if self.is_distributed else None)
+        except ConfigError as e:
+            refusal = e
+        if self.is_distributed:
+            # every rank has checked before any of them maps the node's store (which would shrink the
+            # others' MemAvailable); one rank's refusal is every rank's, so none waits on the others
+            first = first_refusal(str(refusal) if refusal else None, self.world_size)
+            refusal = ConfigError(first) if first else None
+        if refusal is not None:
+            raise refusal
 
     def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary
@@ -304,6 +373,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
 
     # ------------------------------------------------------------------ steps
     @contextmanager

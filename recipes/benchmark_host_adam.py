@@ -25,7 +25,8 @@ from megatrain_lightning.optim import adam as host_adam
 from megatrain_lightning.optim import native as native_adam
 from megatrain_lightning.optim.adam import AdamHyper, Piece, step_fp32
 from megatrain_lightning.optim.kernels import step_compact as compact_adam_step, step_half as fused_adam_step_half
-from megatrain_lightning.engine.store import FlatStore, PinnedRegistry
+from megatrain_lightning.engine.host_buffers import PinnedRegistry
+from megatrain_lightning.engine.store import FlatStore
 
 HYPER = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
 

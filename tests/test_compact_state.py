@@ -20,7 +20,8 @@ from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine import materialize
-from megatrain_lightning.engine.store import FlatStore, PinnedRegistry, join_fp32, split_fp32
+from megatrain_lightning.engine.host_buffers import PinnedRegistry
+from megatrain_lightning.engine.store import FlatStore, join_fp32, split_fp32
 from megatrain_lightning.optim.adam import AdamHyper, Piece
 from megatrain_lightning.optim.kernels import step_compact as compact_adam_step
 from conftest import strategy_of

@@ -97,20 +97,16 @@ def test_layernorm_blocks_under_bf16_mixed_on_cpu() -> None:
     assert {v.dtype for v in got.state.values()} == {torch.float32}
 
 
-def test_two_devices_is_a_clear_error() -> None:
-    """devices=2 asks for data parallelism, which MegaTrainStrategy does not do: a clear error naming the
-    strategy and the device count, at construction or setup, before any batch (today: it trains on one
-    device, the request silently ignored)."""
+def test_two_devices_ask_for_data_parallel() -> None:
+    """devices=2 is data parallel: the strategy says it is distributed (Lightning then gives each rank a
+    DistributedSampler) and launches one process per device with Lightning's launcher; nothing is silently
+    ignored (tests/test_data_parallel.py trains it)."""
     import megatrain_lightning  # noqa: F401  (registers the name)
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-    counter = BatchCounter()
-    with pytest.raises(Exception) as info:
-        trainer = pl.Trainer(
-            strategy="megatrain", accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[counter],
-        )
-        trainer.fit(TokenBlocks())
-    assert counter.batches == 0, f"{counter.batches} batches ran before the error"
-    msg = str(info.value)
-    assert "devices" in msg and "2" in msg, f"the error should name the requested device count: {msg}"
-    assert "MegaTrain" in msg or "megatrain" in msg, f"the error should name the strategy: {msg}"
+    trainer = pl.Trainer(strategy="megatrain", accelerator="cpu", devices=2, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.strategy.is_distributed and trainer.num_devices == 2
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+

@@ -58,3 +58,25 @@ def test_ulimit_v_is_seen_and_train_py_refuses_in_one_paragraph(tmp_path) -> Non
     err = out.stderr.strip().splitlines()[-1]
     assert err.startswith("error: MegaTrainStrategy: CausalLM has 0.494 B parameters") and "ulimit -v" in err and "GB more host memory" in err, err
     assert "Traceback" not in out.stderr
+
+
+def test_data_parallel_counts_one_store_per_node_and_its_tmpfs() -> None:
+    """Under data parallel the node's ranks share masters and moments (counted once) and each holds its own
+    gradients; the shared store must also fit the tmpfs it lives in, or setup refuses naming it."""
+    from megatrain_lightning.config import EngineConfig
+    from megatrain_lightning.plan.fit import check_host_at_setup, setup_shape
+
+    shape = setup_shape(10**9, [10**8] * 9)
+    engine = EngineConfig(grad_buffers=0)  # own fp32 accumulators: 4 B/param per rank
+    args = ("M", shape, engine, 1, False, 0.0, 1e15, "")
+    one = check_host_at_setup(*args)
+    two = check_host_at_setup(*args, ranks_per_node=2)
+    assert two - one == pytest.approx(4e9, rel=0.01)  # a second rank adds its gradients only
+    assert check_host_at_setup(*args, ranks_per_node=2, tmpfs=("/dev/shm", 13e9)) == two  # 12 GB shared fits
+    with pytest.raises(ConfigError) as err:
+        check_host_at_setup(*args, ranks_per_node=2, tmpfs=("/dev/shm", 11e9))
+    msg = str(err.value)
+    assert "lives in /dev/shm, which has only 11.0 GB free" in msg and "--shm-size" in msg
+    assert "MEGATRAIN_SHM_DIR" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="one copy shared by this node's 2 ranks"):
+        check_host_at_setup("M", shape, engine, 1, False, 0.0, 15e9, "", ranks_per_node=2)

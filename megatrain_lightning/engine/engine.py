@@ -28,17 +28,19 @@ from torch import nn
 from .. import host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params
-from .block import CallSpec, StreamedBlock
+from .block_call import streamed_forward
 from .grads import GradPath, Update
 from .host_worker import HostWorker
 from .materialize import InitFn, MetaMaterializer, build_stores
 from .offload import InputOffload, Stash
 from .phase import Phase, StepState
 from .prefetch import WeightStream
+from .replicas import Replicas
 from .resident import ResidentParts, resident_names
 from .slots import BlockBinding, DeviceSlots
 from .stats import EngineStats
-from .store import FlatStore, PinnedRegistry
+from .host_buffers import PinnedRegistry
+from .store import FlatStore
 from .streams import Streams
 from .updates import UpdateTracker
 
@@ -57,11 +59,12 @@ class StreamingEngine:
         config: placement and overlap choices (:class:`~megatrain_lightning.config.EngineConfig`).
         init: fills the tensors of modules built on the meta device, which the engine materialises block
             by block straight into the host store (``materialize.py``); required only for meta tensors.
+        replicas: this rank's place under data parallel (``replicas.py``); None: one rank.
     """
 
     def __init__(self, root: nn.Module, blocks: Sequence[nn.Module], device: torch.device,
                  compute_dtype: torch.dtype = torch.float32, config: EngineConfig | None = None,
-                 init: InitFn | None = None) -> None:
+                 init: InitFn | None = None, replicas: Replicas | None = None) -> None:
         config = config or EngineConfig()
         n_blocks = len(blocks)
         for name in ("keep_activations", "cache_weights"):
@@ -71,10 +74,13 @@ class StreamingEngine:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.streams = Streams(self.device)
-        self.pins = PinnedRegistry(self.streams.cuda if config.pin_memory is None else config.pin_memory)
+        self.replicas = replicas or Replicas()
+        dp = self.replicas.parallel
+        self.pins = PinnedRegistry(self.streams.cuda if config.pin_memory is None else config.pin_memory,
+                                   self.replicas.arena)
         self.stats = EngineStats()
         self.state = StepState()
-        self.updates = UpdateTracker(self.stats)
+        self.updates = UpdateTracker(self.stats, self.replicas)
         self.root = root
         self.blocks = list(blocks)
 
@@ -82,19 +88,28 @@ class StreamingEngine:
         materializer = MetaMaterializer(init)
         self.stores: list[FlatStore] = []
         self.bindings: list[BlockBinding] = []
-        for block in self.blocks:
-            store = build_stores(block, lambda b=block: [list(b.parameters())], materializer, self.pins, config.host_state)[0]
+        write = self.replicas.local_rank == 0  # a node's other ranks map its store, the first one fills it
+        for i, block in enumerate(self.blocks):
+            store = build_stores(block, lambda b=block: [list(b.parameters())], materializer, self.pins, config.host_state,
+                                 names=[f"b{i}"] if dp else None, write=write)[0]
             assert store is not None  # find_blocks returns blocks with parameters
             self.stores.append(store)
             self.bindings.append(BlockBinding(block, store.params))
             self.bindings[-1].buffers_to(self.device)
         names = resident_names(root, self.blocks)
         resident_stores = build_stores(root, lambda: [[root.get_parameter(n) for n in group] for group in names],
-                                       materializer, self.pins, config.host_state, skip={id(b) for b in self.blocks})
+                                       materializer, self.pins, config.host_state, skip={id(b) for b in self.blocks},
+                                       names=["r0", "r1"] if dp else None, write=write)
         self.resident = ResidentParts(root, self.blocks, resident_stores, self.streams, self.stats, self.updates,
                                       self.state, self._send)
         if self.upcast:
             _params.upcast_buffers(self)
+        if dp:  # every rank of the node has mapped its store: consistent across nodes, then unnamed
+            self.replicas.node_barrier()
+            self.replicas.from_global_zero([t for s in self.all_stores() for t in s.shared_buffers()])
+            self.replicas.node_barrier()
+            self.replicas.arena.seal()
+            self.updates.remote = {key: s for key, s in self.keyed_stores() if not self.owns(key)}
 
         # Device slots and what streams into them.
         max_numel = max(s.numel for s in self.stores)
@@ -110,13 +125,15 @@ class StreamingEngine:
                                              host_memory.total_bytes())
         self.worker = HostWorker(threads=config.host_threads)
         self.grads = GradPath(self.streams, self.grad_numel(), self.pins, self.stats, self.worker,
-                              self.grad_buffers, max(s.train_numel for s in self.stores), config.bf16_grads)
+                              self.grad_buffers, max(s.train_numel for s in self.stores),
+                              False if dp else config.bf16_grads,  # reduced in fp32
+                              replicas=self.replicas)
         # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
         self.on_grads_final: Update | None = None
 
         self._anchor_t: torch.Tensor | None = None
         self._checked: set[int] = set()  # blocks whose first forward was checked for buffer updates
-        self.outside = _params.OutsideUse(self.state, self.stores, self.blocks)
+        self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
         self._original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
@@ -251,32 +268,11 @@ class StreamingEngine:
     def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
         original = type(block).forward
         self._original_forwards[index] = original
-        engine = self
+        return streamed_forward(self, index, block, original)
 
-        def streamed_forward(*args: Any, **kwargs: Any) -> Any:
-            state = engine.state
-            if not state.step_open and state.phase is Phase.IDLE:
-                return original(block, *args, **kwargs)  # outside a step: a plain host module
-            # (in a step, or in its backward after the step function returned: a user's checkpoint recompute)
-            _no_kv_cache(kwargs)
-            if not torch.is_grad_enabled():
-                weights = engine.acquire(index)
-                try:
-                    return engine.run_forward(index, args, kwargs, weights=weights)
-                finally:
-                    engine.release(index)
-            state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
-            spec = CallSpec(args, kwargs)
-            # Identity saved-tensor hooks: an outer activation checkpoint (timm's, torch.utils.checkpoint
-            # around the block) records nothing of this call, so it never needs to recompute it; the
-            # engine's own recompute stands in for it.
-            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                outs = StreamedBlock.apply(engine, index, spec, engine._anchor(), *spec.take_tensors())
-            return spec.rebuild_output(outs)
-
-        return streamed_forward
-
-    def _anchor(self) -> torch.Tensor:
+    def anchor(self) -> torch.Tensor:
+        """A scalar that requires grad, input of every StreamedBlock: its backward runs even when no
+        other input of the block needs a gradient."""
         if self._anchor_t is None:
             self._anchor_t = torch.zeros((), device=self.device, requires_grad=True)
         return self._anchor_t
@@ -340,10 +336,28 @@ class StreamingEngine:
         self.outside.sent.add(block)
         self.stats.bump(self.stats.d2h, block)
 
+    def owns(self, key: int) -> bool:
+        """Whether this rank updates store ``key`` (a block index, ``RESIDENT`` or ``RESIDENT_AFTER``)."""
+        return self.replicas.owns(key if key >= 0 else len(self.stores) - 1 - key)
+
+    def not_owned(self) -> set[int]:
+        """Ids of the stores another rank of the node updates (data parallel; empty on one rank)."""
+        return {id(s) for key, s in self.keyed_stores() if not self.owns(key)}
+
+    def step_done(self, claimed: set[int]) -> None:
+        """The optimizer step is complete on this rank: the stores it updated itself (not ``claimed`` by an
+        early update, which publishes its own) are published to the node's other ranks, and the step
+        counts towards what they wait for."""
+        if self.replicas.parallel:
+            for key, store in self.keyed_stores():
+                if self.owns(key) and id(store) not in claimed:
+                    store.publish()
+            self.replicas.steps += 1
+
     def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None,
               priority: int) -> None:
         # The worker runs jobs in the next forward's order: blocks by index, the resident parts around them.
-        fut = self.grads.send(store, grads, then, priority=priority)
+        fut = self.grads.send(store, grads, then, priority=priority, owner=self.owns(key))
         if fut is not None:
             self.updates.add(key, store, fut)
 
@@ -373,15 +387,3 @@ class StreamingEngine:
     def all_stores(self) -> list[FlatStore]:
         return self.stores + [part.store for part in self.resident.parts]
 
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _no_kv_cache(kwargs: dict) -> None:
-    """Hugging Face decoder layers: a recomputed layer must not append to a KV cache a second time."""
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
-        if key in kwargs:
-            kwargs[key] = None

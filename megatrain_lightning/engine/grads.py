@@ -24,8 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .host_worker import HostWorker
+from .replicas import Replicas
 from .stats import EngineStats
-from .store import FlatStore, PinnedRegistry
+from .host_buffers import PinnedRegistry
+from .store import FlatStore
 from .streams import Streams
 
 # The update run on the host worker once a store's gradients are final (the host optimizer's). If it has a
@@ -47,6 +49,7 @@ class GradPath:
         pool_numel: int = 0,
         half: bool | None = False,
         check_finite: bool = False,
+        replicas: Replicas | None = None,
     ) -> None:
         self.streams = streams
         self.numel = numel
@@ -79,13 +82,16 @@ class GradPath:
         self.check_finite = check_finite
         self._finite: dict[int, torch.Tensor] = {}  # id(store) -> its pinned flag
         self.window_finite: torch.Tensor | None = None  # device: all gradients since the last reset finite
+        self.replicas = replicas or Replicas()
+
     def send(self, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None = None,
-             priority: int = 0) -> Future | None:
+             priority: int = 0, owner: bool = True) -> Future | None:
         """Ship one store's gradients (layout order, ``None`` where a parameter got none) to the host.
 
         ``then(store)`` runs on the host worker once they are in host memory (the overlapped optimizer
         update of that store); its future is returned. ``priority``: the store's place in the next forward
-        (see ``host_worker.py``).
+        (see ``host_worker.py``). Data parallel: the slab is averaged over the ranks first, and only the
+        store's ``owner`` copies it home (the others' part ends with the reduction).
         """
         n = store.train_numel  # the trainable region: frozen parameters have no gradient
         self._adopt_foreign(store)
@@ -108,6 +114,14 @@ class GradPath:
         if present:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32 (not if half)
         self.slab_written[k].record(compute)
+        if self.replicas.parallel:
+            with self.streams.on(self.streams.d2h):  # the reduction, and the copy after it, on the d2h stream
+                self.streams.wait(self.streams.d2h, self.slab_written[k])
+                self.replicas.average(slab)  # the gradients of every rank's micro-batch, averaged
+                reduced = self.slab_written[k] = self.streams.record_on(self.streams.d2h)
+            if not owner:  # slab lifetime: free once the reduction has read it
+                self.slab_done[k] = reduced
+                return None
 
         lent = self._lend(store, half) if then is not None and store.grad is None and empty else None
         if half:
@@ -152,7 +166,7 @@ class GradPath:
             if then is None:
                 return None
             # a job of its own, so that draining the gradients does not wait for the update
-            return self.worker.submit(priority, then, store, ready=fut.done)
+            return self.worker.submit(priority, _update_and_publish, then, store, ready=fut.done)
         if then is None:
             return None
         if lent is not None:
@@ -169,6 +183,7 @@ class GradPath:
                     f"non-finite gradients in a store of {store.numel:,} parameters although the loss was finite; "
                     "its update is refused (the step is stopped)")
             then(store)
+            store.publish()  # data parallel: the node's other ranks may read this store now
         finally:
             # Buffer lifetime: the update has read the gradients; bf16 ones are let go, a lent buffer goes back.
             self._give_back(store, lent, half)
@@ -287,6 +302,12 @@ class GradPath:
     def close(self) -> None:
         self.drain()
         self.slabs = []
+
+
+def _update_and_publish(then: Update, store: FlatStore) -> None:
+    """Host worker: the update of a store whose gradients were added in first."""
+    then(store)
+    store.publish()  # data parallel: the node's other ranks may read this store now
 
 
 def _accumulate(done: Any, store: FlatStore, staged: torch.Tensor, fresh: list[bool], held: list[bool]) -> None:

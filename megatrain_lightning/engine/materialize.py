@@ -11,12 +11,13 @@ becomes one host tensor shared by both.
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
 
-from .store import FlatStore, HostState, PinnedRegistry, frozen_dtype, region_split, trainable_first
+from .host_buffers import PinnedRegistry
+from .store import FlatStore, HostState, frozen_dtype, region_split, trainable_first
 
 InitFn = Callable[[Sequence[nn.Module]], None]
 
@@ -89,6 +90,8 @@ def build_stores(
     pins: PinnedRegistry,
     host_state: HostState,
     skip: Collection[int] = (),
+    names: Sequence[str] | None = None,
+    write: bool = True,
 ) -> list[FlatStore | None]:
     """Materialise ``module`` (not descending into ``skip``) and build one store per group of
     ``groups_of()`` (None for an empty group; called again after materialising, for the host tensors).
@@ -97,21 +100,25 @@ def build_stores(
     them out) and the meta parameters become views of the store's buffers, so that initialisation writes
     the store directly (no second copy of anything).
     """
-    buffers: list[dict[str, torch.Tensor]] = []
-    for params in groups_of():
-        bufs: dict[str, torch.Tensor] = {}
+    buffers: list[dict[str, Any]] = []
+    groups = groups_of()
+    names = list(names) if names is not None else [None] * len(groups)
+    for params, name in zip(groups, names):
+        bufs: dict[str, Any] = {"name": name, "write": write}
         if host_state == "fp32" and any(p.is_meta for p in params):
             layout, n_trainable = trainable_first(params, None)  # as FlatStore lays them out
             n = region_split(layout, n_trainable)
-            master = pins.empty(n)
-            frozen = pins.empty(layout.numel - n, frozen_dtype(layout.params[n_trainable:]))
-            master.zero_()  # alignment padding stays zero
-            frozen.zero_()
+            master = pins.shared(name and f"{name}.master", n, torch.float32, pin=True)
+            frozen = pins.shared(name and f"{name}.frozen", layout.numel - n, frozen_dtype(layout.params[n_trainable:]),
+                                 pin=True)
+            if pins.arena is None or name is None:
+                master.zero_()  # alignment padding stays zero (a shared buffer is born zero)
+                frozen.zero_()
             views = [master[o : o + p.numel()].view(p.shape) for o, p in zip(layout.offsets, layout.params[:n_trainable])]
             views += [frozen[o - n : o - n + p.numel()].view(p.shape)
                       for o, p in zip(layout.offsets[n_trainable:], layout.params[n_trainable:])]
             materializer.place({id(p): v for p, v in zip(layout.params, views) if p.is_meta})
-            bufs = {"master": master, "frozen": frozen}
+            bufs.update(master=master, frozen=frozen)
         buffers.append(bufs)
     materializer(module, skip=skip)
     return [FlatStore(params, pins, host_state, **bufs) if params else None

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .store import PinnedRegistry
+from .host_buffers import PinnedRegistry
 from .streams import Streams
 
 

@@ -55,6 +55,10 @@ def make_trainable(engine: Any, params: Sequence[nn.Parameter] = ()) -> bool:
             engine.resident.relaid(key, new)
         engine.pins.release(store.buffers())
     engine.grads.fit(engine.grad_numel(), max(s.train_numel for s in engine.stores))
+    if engine.replicas.parallel:  # every rank laid the same stores out anew (at the same step): names go
+        engine.replicas.node_barrier()
+        engine.replicas.arena.seal()
+        engine.updates.remote = {key: s for key, s in engine.keyed_stores() if not engine.owns(key)}
     return True
 
 
@@ -97,8 +101,10 @@ class OutsideUse:
     share that arrives after the block's own was sent (``sent``, this micro-batch) is refused.
     """
 
-    def __init__(self, state: StepState, stores: Sequence[FlatStore], blocks: Sequence[nn.Module]) -> None:
+    def __init__(self, state: StepState, stores: Sequence[FlatStore], blocks: Sequence[nn.Module],
+                 parallel: bool = False) -> None:
         self.state = state
+        self.parallel = parallel
         self.stores = stores  # the engine's list (laid-out-again stores replace their entries)
         self.block_modules = blocks
         self.blocks: set[int] = set()  # blocks whose parameters the model also uses outside them
@@ -110,6 +116,11 @@ class OutsideUse:
         if self.state.phase is Phase.IDLE and not self.state.step_open:
             return  # a plain host module outside any step
         block = next(i for i, s in enumerate(self.stores) if any(p is param for p in s.params))
+        if self.parallel:  # the outside share is this rank's alone: the block's own is averaged over ranks
+            raise RuntimeError(
+                f"MegaTrainStrategy (data parallel): a parameter of streamed block {block} is used outside that "
+                "block too, whose share of the gradient would not be averaged over the ranks. Register the tie "
+                "as a shared parameter of a resident module, or compute the term inside the block.")
         self.blocks.add(block)
         if block in self.sent:
             raise RuntimeError(

@@ -23,18 +23,19 @@ moment for them, so a bf16 base keeps 2 B/param on the host and travels as it is
 the gradient path cover the trainable region ``[0, train_numel)`` only. A store is laid out again
 (:meth:`FlatStore.relayout`) when a frozen parameter starts to train.
 
-Pinning, when asked for, registers the exact buffer with the CUDA driver instead of taking it from
-torch's caching pinned allocator, which rounds every request up to a power of two.
+Host buffers come from ``host_buffers.py`` (pinned at their exact size; the node's shared copy under data
+parallel).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from ..config import HOST_STATES, HostState
+from .host_buffers import PinnedRegistry
 
 ALIGN_BYTES = 64
 
@@ -87,39 +88,6 @@ class FlatLayout:
         return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
 
 
-class PinnedRegistry:
-    """Pins existing host tensors at their exact size (``cudaHostRegister``) and unpins them on close."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and torch.cuda.is_available()
-        self._registered: list[torch.Tensor] = []
-
-    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if self.enabled and numel:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:  # fall back to the caching allocator: rounded up, but pinned
-                return torch.empty(numel, dtype=dtype, pin_memory=True)
-            self._registered.append(t)
-        return t
-
-    def release(self, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Unpin (and let go of) buffers this registry pinned, e.g. those of a store laid out again."""
-        ptrs = {t.data_ptr() for t in tensors if t is not None}
-        keep = []
-        for t in self._registered:
-            if t.data_ptr() in ptrs:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            else:
-                keep.append(t)
-        self._registered = keep
-
-    def close(self) -> None:
-        for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-        self._registered.clear()
-
-
 _FROZEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -148,6 +116,9 @@ class FlatStore:
         master, frozen: the two buffers, already allocated and laid out as this store will lay them out
             (the engine materialises meta-built parameters as their views); parameters that already are
             their view are not copied.
+        name: under data parallel, the store's name in the node's shared arena: its masters, frozen
+            weights, low halves, moments, step counts and publication counter are the node's one copy.
+        write: copy the parameters' values in (False on a node's other ranks: the first one does).
     """
 
     def __init__(
@@ -159,6 +130,8 @@ class FlatStore:
         trainable: set[int] | None = None,
         master: torch.Tensor | None = None,
         frozen: torch.Tensor | None = None,
+        name: str | None = None,
+        write: bool = True,
     ) -> None:
         if host_state not in HOST_STATES:
             raise ValueError(f"host_state={host_state!r}: expected one of {HOST_STATES}")
@@ -176,17 +149,22 @@ class FlatStore:
         n = self.train_numel = region_split(self.layout, self.n_trainable)
         frozen_params = self.layout.params[self.n_trainable :]
         self.frozen_dtype = frozen_dtype(frozen_params)
+        self.name = name
+        shared = pins.arena is not None and name is not None
         if master is None:
-            master = pins.empty(n, self.dtype)
-            master.zero_()  # alignment padding stays zero: it enters norms and copies
+            master = pins.shared(name and f"{name}.master", n, self.dtype, pin=True)
+            if not shared:
+                master.zero_()  # alignment padding stays zero: it enters norms and copies
         if frozen is None:
-            frozen = pins.empty(self.layout.numel - n, self.frozen_dtype)
-            frozen.zero_()
+            frozen = pins.shared(name and f"{name}.frozen", self.layout.numel - n, self.frozen_dtype, pin=True)
+            if not shared:
+                frozen.zero_()
         if master.numel() != n or master.dtype != self.dtype or frozen.numel() != self.layout.numel - n:
             raise ValueError(f"buffers of {master.numel()} {master.dtype} + {frozen.numel()} do not fit this layout")
         self.master, self.frozen = master, frozen
         # compact: the low 16 bits of each fp32 master (pageable: never copied to the device)
-        self.master_low: torch.Tensor | None = torch.zeros(n, dtype=torch.int16) if self.compact and compensate else None
+        self.master_low: torch.Tensor | None = (
+            pins.shared(name and f"{name}.low", n, torch.int16, pin=False) if self.compact and compensate else None)
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []  # the trainable parameters' views of ``grad``
         self.grad_lent = False  # grad is a pooled buffer (see grads.py), not the store's own
@@ -196,6 +174,14 @@ class FlatStore:
         self._own_half_grad: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
+        # Data parallel: the node's copies are mapped now by every rank; step counts live beside the moments
+        # (so that any rank's optimizer state is the owner's), and the owner raises ``published`` each step.
+        self.step_counts: torch.Tensor | None = None
+        self.published: torch.Tensor | None = None
+        if shared:
+            self.moment_buffers()
+            self.step_counts = pins.shared(f"{name}.steps", max(self.n_trainable, 1), torch.float32, pin=False)
+            self.published = pins.shared(f"{name}.published", 1, torch.int64, pin=False)
         self.upcast: list[nn.Parameter] = []  # trainable parameters given in bf16/fp16, now fp32
         self.upcast_from: list[torch.Tensor] = []  # their original tensors' dtypes, for the log line
         self.master_views = self.train_views(master) + self.frozen_views(frozen)
@@ -209,15 +195,16 @@ class FlatStore:
                         if k < self.n_trainable:
                             self.upcast.append(p)
                             self.upcast_from.append(torch.empty(0, dtype=p.dtype))
-                    if p.data_ptr() != view.data_ptr():  # materialised in place already: nothing to copy
+                    if write and p.data_ptr() != view.data_ptr():  # materialised in place already: nothing to copy
                         view.copy_(p.detach())
                 else:
                     if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16):
                         raise TypeError(f"parameter of dtype {p.dtype}: host_state='compact' takes fp32 or bf16")
-                    value = p.detach().reshape(-1).to(torch.float32)
-                    m = value.numel()
-                    low = low_views[k].view(-1) if low_views is not None else torch.empty(m, dtype=torch.int16)
-                    split_fp32(value.view(torch.int32), view.view(-1), low, torch.empty(m, dtype=torch.int32))
+                    if write:
+                        value = p.detach().reshape(-1).to(torch.float32)
+                        m = value.numel()
+                        low = low_views[k].view(-1) if low_views is not None else torch.empty(m, dtype=torch.int16)
+                        split_fp32(value.view(torch.int32), view.view(-1), low, torch.empty(m, dtype=torch.int32))
                 p.data = view
                 if self.compact and k < self.n_trainable:
                     p.grad_dtype = torch.float32  # the fp32 accumulators become bf16 parameters' .grad
@@ -308,8 +295,9 @@ class FlatStore:
         fp32, or bf16 with ``host_state="compact"``.
         """
         if self.exp_avg is None:
-            self.exp_avg = torch.zeros(self.train_numel, dtype=self.dtype)
-            self.exp_avg_sq = torch.zeros(self.train_numel, dtype=self.dtype)
+            name = self.name
+            self.exp_avg = self._pins.shared(name and f"{name}.ea", self.train_numel, self.dtype, pin=False)
+            self.exp_avg_sq = self._pins.shared(name and f"{name}.eas", self.train_numel, self.dtype, pin=False)
         assert self.exp_avg_sq is not None
         return self.exp_avg, self.exp_avg_sq
 
@@ -335,6 +323,16 @@ class FlatStore:
         return [self.master, self.frozen, self.master_low, self.grad if not self.grad_lent else None,
                 self._own_half_grad, self.exp_avg, self.exp_avg_sq]
 
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """What the node's ranks share (data parallel), for keeping nodes consistent."""
+        out = [self.master, self.frozen, self.master_low, self.exp_avg, self.exp_avg_sq, self.step_counts]
+        return [t for t in out if t is not None]
+
+    def publish(self) -> None:
+        """Data parallel, the owner: this store's update of the step is done (seen by the node's ranks)."""
+        if self.published is not None:
+            self.published.add_(1)
+
     def relayout(self, trainable: set[int]) -> FlatStore:
         """A new store of the same parameters with ``trainable`` (ids) in the trainable region, values,
         moments, low halves and held gradients carried over; the parameters become its views. Between
@@ -346,7 +344,8 @@ class FlatStore:
         lows = dict(zip(map(id, self.trainable), self.train_views(self.master_low)))
         for p in self.trainable:
             p.grad = None  # before the new store re-points .data: a grad's shape must follow
-        new = FlatStore(self.params, self._pins, self.host_state, self.compensate, trainable=trainable)
+        new = FlatStore(self.params, self._pins, self.host_state, self.compensate, trainable=trainable,
+                        name=self.name and f"{self.name}r", write=True)
         with torch.no_grad():
             if moments and new.n_trainable:
                 ea, eas = new.moment_buffers()
@@ -357,6 +356,13 @@ class FlatStore:
             for p, low in zip(new.trainable, new.train_views(new.master_low)):
                 if id(p) in lows:
                     low.copy_(lows[id(p)])
+            if self.published is not None and new.published is not None:
+                new.published.copy_(self.published)
+            if self.step_counts is not None and new.step_counts is not None:
+                old_steps = dict(zip(map(id, self.trainable), self.step_counts))
+                for k, p in enumerate(new.trainable):
+                    if id(p) in old_steps:
+                        new.step_counts[k].copy_(old_steps[id(p)])
             if old_grads:
                 new.grad_buffer()
                 for p, view in zip(new.trainable, new.grad_views):

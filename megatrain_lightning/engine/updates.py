@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from .replicas import Replicas
 from .stats import EngineStats
 from .store import FlatStore
 
@@ -18,8 +19,12 @@ from .store import FlatStore
 class UpdateTracker:
     """Futures of the updates handed out this step, by store key (block index, ``RESIDENT``, ...)."""
 
-    def __init__(self, stats: EngineStats) -> None:
+    def __init__(self, stats: EngineStats, replicas: Replicas | None = None) -> None:
         self.stats = stats
+        self.replicas = replicas or Replicas()
+        # Data parallel: the stores another rank of the node updates, by key; this rank waits for their
+        # shared counter to reach the steps taken before it reads them (``Replicas.wait_published``)
+        self.remote: dict[int, FlatStore] = {}
         self._by_key: dict[int, Future] = {}
         self._all: list[Future] = []  # every update not yet known to have run (failed ones stay)
         self._claimed: set[int] = set()  # ids of the stores updated this way since take_claimed()
@@ -60,6 +65,17 @@ class UpdateTracker:
     def wait_for(self, key: int, block: bool = True) -> bool:
         """Whether the update of ``key`` has run; with ``block``, a host wait until it has (and raise what
         it raised). Buffer lifetime: the store's masters may go to the device only after this is True."""
+        remote = self.remote.get(key)
+        if remote is not None:
+            assert remote.published is not None
+            if int(remote.published[0]) >= self.replicas.steps:
+                return True
+            if not block:
+                return False
+            t0 = time.perf_counter()
+            self.replicas.wait_published(remote.published, self.replicas.steps)  # host wait for the owner
+            self.stats.update_wait_s += time.perf_counter() - t0
+            return True
         fut = self._by_key.get(key)
         if fut is None:
             return True
@@ -74,6 +90,8 @@ class UpdateTracker:
     def wait_all(self) -> None:
         """Host sync point: every update handed out has run; then the first failure, if any, is raised
         (after all of them have stopped: none still writes a master while the caller handles it)."""
+        for key in self.remote:
+            self.wait_for(key)  # the updates the node's other ranks run (host wait)
         first: BaseException | None = None
         for fut in self._all:
             exc = None if fut.cancelled() else fut.exception()  # host wait

@@ -88,7 +88,9 @@ class _Range:
         """A parameter's Adam state on its first step: views of the store's moments (and low half)."""
         if not st:
             ea, eas, low = self.state_views()
-            st["step"] = torch.tensor(0.0)
+            # data parallel: the step count is the node's shared one (any rank's state is the owner's)
+            counts = self.store.step_counts
+            st["step"] = counts[i] if counts is not None else torch.tensor(0.0)
             st["exp_avg"] = ea[i]
             st["exp_avg_sq"] = eas[i]
             if low is not None:
@@ -201,6 +203,16 @@ class HostOptimizer:
         self._bound_groups = [list(map(id, g["params"])) for g in self.optimizer.param_groups]
         if self.fast:
             self.adopt_state()
+        if any(s.step_counts is not None for s in stores):
+            if not self.fast:
+                raise ValueError(
+                    f"MegaTrainStrategy under data parallel steps Adam/AdamW on the node's shared host state, "
+                    f"each store by the rank that owns it; {type(self.optimizer).__name__} runs its own step() "
+                    "over every parameter. Use torch.optim.AdamW or Adam (without amsgrad), or one device.")
+            for ranges in self.ranges:  # every rank's state holds every parameter's (the shared buffers)
+                for r in ranges:
+                    for i, p in zip(r.indices, r.params):
+                        r.ensure_state(self.optimizer.state[p], i)
 
     def groups_changed(self) -> bool:
         """Whether the param groups (or their parameters) changed since :meth:`bind` (``add_param_group``)."""
@@ -235,9 +247,14 @@ class HostOptimizer:
                                 low_views[i].copy_(held)
                             st["master_low"] = low_views[i]
                     step = st["step"]
-                    st["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
-                        device="cpu", dtype=torch.float32
-                    )
+                    step = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
+                        device="cpu", dtype=torch.float32)
+                    counts = r.store.step_counts
+                    if counts is not None:  # data parallel: into the node's shared count
+                        if counts[i].data_ptr() != step.data_ptr():
+                            counts[i].copy_(step)
+                        step = counts[i]
+                    st["step"] = step
                     st["exp_avg"] = ea_views[i]
                     st["exp_avg_sq"] = eas_views[i]
 

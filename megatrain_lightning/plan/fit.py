@@ -9,7 +9,8 @@ from ..config import EngineConfig, grad_buffers_for
 from ..errors import ConfigError
 from ..hardware import HardwareProfile
 from .memory import (
-    CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, host_bytes,
+    CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, grad_host_bytes,
+    host_bytes,
     lasting_weights, pinned_bytes,
 )
 from .run import Run, Workload
@@ -189,25 +190,42 @@ def setup_shape(total_params: int, block_sizes: list[int], trainable_params: int
 
 
 def check_host_at_setup(model: str, shape: PlanShape, engine: EngineConfig, accumulate: int, clip: bool,
-                        released_bytes: float, available_bytes: float, limit_note: str) -> float:
+                        released_bytes: float, available_bytes: float, limit_note: str,
+                        ranks_per_node: int = 1, tmpfs: tuple[str, float] | None = None) -> float:
     """Before the host store is built: refuse when its masters, gradients and Adam moments cannot fit in the
     host memory this process may still take (``available_bytes``: MemAvailable, or its cgroup's headroom),
     with the numbers and what to change. ``released_bytes``: the host parameter tensors the store replaces.
     With ``grad_buffers=None`` the smaller footprint (a pool) is checked: the engine takes its own
-    accumulators only where they fit. Returns the bytes needed."""
+    accumulators only where they fit. ``ranks_per_node`` > 1 (data parallel): the node's ranks share one
+    store (masters, frozen weights, moments) and each holds its own gradients and staging; that store lives
+    in ``tmpfs`` (its directory, free bytes), checked too: a tmpfs that runs out mid-write kills the process
+    (SIGBUS) rather than raising. Returns the bytes needed."""
     if engine.grad_buffers is None:
         engine = dataclasses.replace(engine, grad_buffers=4)
     run = Run(Workload(micro_batch=1, seq_len=1, accumulate=accumulate, bf16=False, clip=clip),
               dataclasses.replace(engine, bf16_grads=False))
     items = host_bytes(shape, run)
     need = sum(items.values()) - items[PROCESS] - items[OFFLOADED] - released_bytes  # the process already runs
+    per_rank = grad_host_bytes(shape, run) + items[STAGING] - released_bytes
+    if tmpfs is not None and ranks_per_node > 1:
+        shared = sum(items.values()) - grad_host_bytes(shape, run) - items[STAGING] - items[OFFLOADED] - items[PROCESS]
+        if shared > tmpfs[1]:
+            raise ConfigError(
+                f"MegaTrainStrategy (data parallel): {model}'s host store, one per node ({shared / GB:,.1f} GB: "
+                f"masters, frozen weights and AdamW moments), lives in {tmpfs[0]}, which has only {tmpfs[1] / GB:,.1f} "
+                "GB free: give the container a larger /dev/shm (docker run --shm-size=...), or point "
+                "$MEGATRAIN_SHM_DIR at a tmpfs with room for it"
+            )
+    need += (ranks_per_node - 1) * per_rank  # the node's other ranks (already running too)
     if need > available_bytes:
-        per_param = (need + released_bytes) / max(shape.total_params, 1)
+        per_param = (need + ranks_per_node * released_bytes) / max(shape.total_params, 1)
+        shared_note = (f"; one copy shared by this node's {ranks_per_node} ranks, gradients per rank"
+                       if ranks_per_node > 1 else "")
         compact = (", EngineConfig(host_state='compact') (strategy.engine.host_state=compact in train.py: 4 B/param "
                    "less)" if engine.host_state != "compact" else "")
         raise ConfigError(
             f"MegaTrainStrategy: {model} has {shape.total_params / 1e9:.3f} B parameters, whose host store (fp32 "
-            f"masters, gradients and AdamW moments, {per_param:.1f} B/param) needs {need / GB:,.1f} GB more host "
+            f"masters, gradients and AdamW moments, {per_param:.1f} B/param{shared_note}) needs {need / GB:,.1f} GB more host "
             f"memory, but this process may take only {available_bytes / GB:,.1f} GB ({limit_note}): choose a smaller "
             f"model{compact}, free host memory, or run on a machine with more of it"
         )

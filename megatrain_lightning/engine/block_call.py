@@ -1,0 +1,58 @@
+"""What a call to a streamed block does: the ``forward`` the engine puts on each block.
+
+Outside a step the block is a plain host module. In a step, a call without grad runs the block on its
+streamed weights and returns; a call with grad goes through :class:`~.block.StreamedBlock`, which keeps
+only the block's inputs and recomputes it in the backward. A Hugging Face decoder layer's KV cache is
+switched off first: the recompute must not append to it a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .block import CallSpec, StreamedBlock
+from .phase import Phase
+
+
+def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Block ``index``'s forward under ``engine`` (a :class:`~.engine.StreamingEngine`); ``original`` is
+    its class's own ``forward``."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        state = engine.state
+        if not state.step_open and state.phase is Phase.IDLE:
+            return original(block, *args, **kwargs)  # outside a step: a plain host module
+        # (in a step, or in its backward after the step function returned: a user's checkpoint recompute)
+        no_kv_cache(kwargs)
+        if not torch.is_grad_enabled():
+            weights = engine.acquire(index)
+            try:
+                return engine.run_forward(index, args, kwargs, weights=weights)
+            finally:
+                engine.release(index)
+        state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
+        spec = CallSpec(args, kwargs)
+        # Identity saved-tensor hooks: an outer activation checkpoint (timm's, torch.utils.checkpoint
+        # around the block) records nothing of this call, so it never needs to recompute it; the
+        # engine's own recompute stands in for it.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            outs = StreamedBlock.apply(engine, index, spec, engine.anchor(), *spec.take_tensors())
+        return spec.rebuild_output(outs)
+
+    return forward
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def no_kv_cache(kwargs: dict) -> None:
+    """Hugging Face decoder layers: a recomputed layer must not append to a KV cache a second time."""
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
+        if key in kwargs:
+            kwargs[key] = None
