@@ -27,6 +27,7 @@ a process that has not imported it has no collector, and a block then runs exact
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -47,8 +48,6 @@ def recorder_known() -> bool:
     strategy refuses a recorded router loss otherwise: its gradient would be lost)."""
     if _collector_var() is None:
         try:
-            import importlib
-
             importlib.import_module(_COLLECTOR_MODULE)
         except ImportError:
             return False
