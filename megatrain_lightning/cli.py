@@ -110,6 +110,8 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
     if _is_megatrain(cfg.strategy):
         plan = plan_from_config(cfg, refuse_device=False)
         log.info("%s", verdict(plan))
+        if plan.moe_warning:
+            log.warning("%s", plan.moe_warning)
         if plan.gpu_total > plan.gpu_available:
             log.warning("the planner puts the device peak at %.1f GB, over the %.1f GB available: expect an "
                         "out-of-memory error (python -m megatrain_lightning.plan ... says what to change)",

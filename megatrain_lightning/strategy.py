@@ -37,6 +37,7 @@ from .errors import CheckpointError, ConfigError
 from .plan.fit import check_host_at_setup, setup_shape
 from .engine import StreamingEngine
 from .engine.shared import tmpfs_room
+from .engine.side_outputs import recorder_known
 from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
@@ -317,13 +318,18 @@ class MegaTrainStrategy(ParallelStrategy):
                 tidy(dirpath)
 
     def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        # Router logits (output_router_logits) recorded by hooks inside a block become differentiable
+        # outputs of the block (engine/side_outputs.py), through transformers 5's output collector; an
+        # older transformers records them otherwise, and its auxiliary loss would carry no gradient.
+        fitting = trainer.state.fn == TrainerFn.FITTING
         for m in module.modules():
             cfg = getattr(m, "config", None)
-            if cfg is not None and getattr(cfg, "output_router_logits", False) and trainer.state.fn == TrainerFn.FITTING:
+            if cfg is not None and getattr(cfg, "output_router_logits", False) and fitting and not recorder_known():
                 raise ValueError(
-                    f"{type(m).__name__} has config.output_router_logits=True: its router auxiliary loss is "
-                    "collected by hooks during the forward, which MegaTrainStrategy runs without autograd "
-                    "(blocks are recomputed in backward), so the loss would carry no gradient. Set "
+                    f"{type(m).__name__} has config.output_router_logits=True, but this transformers does not "
+                    "record router logits through transformers.utils.output_capturing (transformers 5), the "
+                    "mechanism MegaTrainStrategy hooks into (engine/side_outputs.py) to give the router "
+                    "auxiliary loss its gradient through streamed blocks. Upgrade transformers to 5.x, or set "
                     "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
                 )
         if trainer.gradient_clip_algorithm is not None and str(trainer.gradient_clip_algorithm) not in (

@@ -30,3 +30,10 @@ def test_every_recipe_opens_with_the_command_that_runs_it() -> None:
 def test_plain_python_recipe_trains_with_megatrain_strategy() -> None:
     loss = load("plain_python_megatrain").main(max_steps=40)
     assert loss < 0.6 * math.log(256)
+
+
+@pytest.mark.slow
+def test_moe_router_loss_recipe_matches_the_default_strategy() -> None:
+    out = load("moe_router_loss").main(["--steps", "3", "--compare"])
+    assert out["max_loss_rel_diff"] < 1e-5 and out["max_param_rel_diff"] < 1e-5
+    assert len(out["megatrain"]["idle_experts_per_step"]) == 3

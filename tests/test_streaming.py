@@ -210,31 +210,6 @@ def test_mixed_block_list_is_refused_and_block_class_resolves_it() -> None:
         find_blocks(Mixed(), block_class="NoSuchBlock")
 
 
-def test_router_losses_are_refused_clearly() -> None:
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-        output_router_logits=True, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-    )
-
-    class MoE(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GptOssForCausalLM(cfg)
-
-        def training_step(self, batch, _):
-            return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32, (2, 6))), batch_size=2)
-    with pytest.raises(ValueError, match="output_router_logits=False"):
-        _trainer("megatrain", max_steps=1).fit(MoE(), data)
-
-
 def test_precision_outside_the_supported_set_is_refused() -> None:
     with pytest.raises(ValueError, match="bf16-mixed"):
         L.Trainer(accelerator="cpu", devices=1, strategy="megatrain", precision="16-true")

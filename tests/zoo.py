@@ -11,10 +11,15 @@ Models:
     qwen2        tiny Hugging Face Qwen2 with tied input/output embeddings
     gpt_oss      tiny Hugging Face GPT-OSS: mixture of experts (top-2 of 4), alternating
                  sliding-window / full attention, sequence (24) longer than the window (8)
+    mixtral, qwen3_moe, qwen2_moe
+                 tiny Hugging Face MoE LMs; like gpt_oss, `router_aux_loss_coef > 0` adds the
+                 router's load-balancing loss (HF's own `outputs.loss`)
     encoder      nn.TransformerEncoder (batch_first, dropout 0.1 on in training), causal LM
     transformer  nn.Transformer encoder-decoder (decoder blocks take `memory` as a second
                  differentiable input), sequence reversal task
     user         the user's own nn.ModuleList of identical residual MLP blocks
+    user_moe     the user's own hash-routed MoE blocks, experts stacked (3-d weights) or a ModuleList;
+                 expert 3 gets no token in every odd micro-batch
     linear       an embedding and one nn.Linear: no repeated blocks (for the error test)
 """
 
@@ -211,9 +216,22 @@ class TinyQwen2(HFCausalLM):
         return model
 
 
-class TinyGptOss(HFCausalLM):
+class HFMoE(HFCausalLM):
+    """A Hugging Face mixture-of-experts causal LM. ``router_aux_loss_coef > 0`` turns the router's
+    auxiliary (load-balancing) loss on: ``config.output_router_logits=True``, and HF's ``outputs.loss``
+    is the LM loss plus that coefficient times the loss of the router logits its hooks recorded."""
+
+    def __init__(self, router_aux_loss_coef: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def router_kwargs(self) -> dict[str, Any]:
+        coef = self.hparams.router_aux_loss_coef
+        return {"output_router_logits": coef > 0, "router_aux_loss_coef": coef}
+
+
+class TinyGptOss(HFMoE):
     """GPT-OSS: 4 experts, top-2 routing, layers alternating sliding-window (8) / full attention,
-    sequence length 24 > window, attention sinks, biases; no router loss."""
+    sequence length 24 > window, attention sinks, biases; router loss with ``router_aux_loss_coef``."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("seq_len", 24)
@@ -236,12 +254,89 @@ class TinyGptOss(HFCausalLM):
             layer_types=["sliding_attention", "full_attention"] * 2,
             max_position_embeddings=64,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            output_router_logits=False,
             attn_implementation="eager",
             experts_implementation="eager",
+            **self.router_kwargs(),
         )
         assert self.hparams.seq_len > config.sliding_window
         return GptOssForCausalLM(config)
+
+
+class TinyMixtral(HFMoE):
+    """Mixtral: 3 layers of 4 experts, top-2 routing (softmax before top-k), no router bias."""
+
+    def build_model(self) -> nn.Module:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            **self.router_kwargs(),
+        )
+        return MixtralForCausalLM(config)
+
+
+class TinyQwen3Moe(HFMoE):
+    """Qwen3-MoE: 3 layers, the middle one dense (``mlp_only_layers``), 4 experts top-2 with normalised
+    top-k weights, q/k norms."""
+
+    def build_model(self) -> nn.Module:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            max_position_embeddings=64,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            **self.router_kwargs(),
+        )
+        return Qwen3MoeForCausalLM(config)
+
+
+class TinyQwen2Moe(HFMoE):
+    """Qwen2-MoE: 2 layers of 4 experts top-2 plus a gated shared expert."""
+
+    def build_model(self) -> nn.Module:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            **self.router_kwargs(),
+        )
+        return Qwen2MoeForCausalLM(config)
 
 
 class LlamaLM(HFCausalLM):
@@ -401,6 +496,75 @@ class UserBlocks(ZooModule):
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
+class HashMoEBlock(nn.Module):
+    """x + sum_e [token routed to e] * W2_e GELU(W1_e LayerNorm(x)), each token routed to expert
+    ``token_id % n_experts`` (hash routing: no learned router, so which experts a batch leaves without
+    tokens is known from the data). As Hugging Face's expert loops, only experts with tokens run.
+
+    experts="stacked": the experts' weights are 3-d parameters (as HF's ``*Experts`` modules): an expert
+    without tokens gets an exactly zero slice of a gradient. experts="list": an ``nn.ModuleList`` of
+    ``nn.Linear`` pairs: an expert without tokens is not in the graph, its gradients are None.
+    """
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, experts: str) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.stacked = experts == "stacked"
+        self.norm = nn.LayerNorm(dim)
+        if self.stacked:
+            self.w1 = nn.Parameter(torch.randn(n_experts, hidden, dim) / math.sqrt(dim))
+            self.w2 = nn.Parameter(torch.randn(n_experts, dim, hidden) / math.sqrt(hidden))
+        else:
+            self.experts = nn.ModuleList(
+                nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        out = torch.zeros_like(x)
+        route = tokens % self.n_experts
+        for e in range(self.n_experts):
+            hit = route == e
+            if not bool(hit.any()):
+                continue  # an expert without tokens is not run (a host sync, as in HF's expert loops)
+            if self.stacked:
+                y = F.linear(F.gelu(F.linear(h[hit], self.w1[e])), self.w2[e])
+            else:
+                y = self.experts[e](h[hit])
+            out = out.index_put((hit,), y)
+        return x + out
+
+
+class UserMoE(ZooModule):
+    """Embedding + nn.ModuleList of HashMoEBlock + LayerNorm + head, token-wise task (target =
+    (7 * x + 3) mod V). The data leaves expert 3 (tokens = 3 mod 4) without tokens in every odd
+    micro-batch: its residue-3 tokens are moved to residue 2 there."""
+
+    def __init__(self, experts: str = "stacked", dim: int = 16, hidden: int = 24, num_blocks: int = 3,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([HashMoEBlock(dim, hidden, 4, experts) for _ in range(num_blocks)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def make_data(self, n: int, seq_len: int, seed: int) -> torch.Tensor:
+        tokens = random_tokens(n, seq_len, VOCAB, seed)
+        b = self.hparams.batch_size
+        for start in range(b, n, 2 * b):  # odd micro-batches: no token for expert 3
+            rows = tokens[start : start + b]
+            rows[rows % 4 == 3] -= 1
+        return tokens
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        y = (7 * x + 3) % VOCAB
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, x)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
 class LinearOnly(ZooModule):
     """An embedding and one nn.Linear: no repeated blocks, nothing a streaming strategy could stream."""
 
@@ -418,8 +582,12 @@ ZOO: dict[str, Callable[..., ZooModule]] = {
     "llama": TinyLlama,
     "qwen2": TinyQwen2,
     "gpt_oss": TinyGptOss,
+    "mixtral": TinyMixtral,
+    "qwen3_moe": TinyQwen3Moe,
+    "qwen2_moe": TinyQwen2Moe,
     "encoder": EncoderLM,
     "transformer": Seq2SeqTransformer,
     "user": UserBlocks,
+    "user_moe": UserMoE,
     "linear": LinearOnly,
 }

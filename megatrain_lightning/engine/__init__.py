@@ -2,7 +2,7 @@
 
 Modules, in the order data flows through them: ``store`` (flat host buffers), ``materialize`` (meta
 models built into the store), ``streams``, ``slots`` and ``prefetch`` (weights onto the device),
-``block`` and ``selective`` (the streamed-block autograd Function), ``offload`` (saved inputs parked on
+``block``, ``selective`` and ``side_outputs`` (the streamed-block autograd Function, what it records), ``offload`` (saved inputs parked on
 the host), ``resident`` (embeddings and head), ``grads`` (gradients home), ``host_worker`` and
 ``updates`` (the host jobs and the updates in flight), ``phase`` and ``stats``; ``engine`` wires them.
 """

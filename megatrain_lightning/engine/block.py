@@ -12,6 +12,11 @@ device slot; its inner graph (its activations) lives in ``ctx`` until the backwa
 neither a recompute nor a second weight copy. With ``kept_saves="matmuls"`` that graph holds only the
 matmul and attention outputs, and the backward recomputes the elementwise ops (``selective.py``).
 
+What a block's submodules *record* while it runs (Hugging Face's router logits, attentions:
+``side_outputs.py``) leaves the block as extra outputs of the Function, after the block's own; the
+recompute records them again with grad, so a loss built from them (the router's auxiliary loss) sends its
+gradient into the block's weights exactly as without streaming.
+
 The Function is handed the engine as a non-tensor argument (``runner``); it knows nothing of streams.
 """
 
@@ -22,6 +27,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from . import side_outputs
 from .selective import run_saving_matmuls
 
 
@@ -114,23 +120,32 @@ class StreamedBlock(torch.autograd.Function):
             with torch.enable_grad():
                 if runner.saves_matmuls_only(block):
                     # the weights stay in the block's fixed slot until its backward: the recompute reads them
+                    calls = []
+
                     def run(*ins: torch.Tensor) -> Any:
                         a, kw = spec.rebuild(ins)
+                        if calls:  # the selective recompute, in the backward: it records nothing
+                            with side_outputs.silenced():
+                                return runner.run_forward(block, a, kw, weights=leaves)
+                        calls.append(True)
                         return runner.run_forward(block, a, kw, weights=leaves)
 
-                    out = run_saving_matmuls(run, *inputs)
+                    out, recorded, side = side_outputs.capture(lambda: run_saving_matmuls(run, *inputs))
                 else:
                     args, kwargs = spec.rebuild(inputs)
-                    out = runner.run_forward(block, args, kwargs, weights=leaves)
+                    out, recorded, side = side_outputs.capture(
+                        lambda: runner.run_forward(block, args, kwargs, weights=leaves))
             runner.release(block)
         else:
             ctx.recompute = _RecomputeState(runner.device)
             args, kwargs = spec.rebuild(tensors)
-            out = runner.run_forward(block, args, kwargs)
+            out, recorded, side = side_outputs.capture(lambda: runner.run_forward(block, args, kwargs))
         flat_out, out_spec = pytree.tree_flatten(out)
         ctx.out_tensor_idx = [i for i, o in enumerate(flat_out) if isinstance(o, torch.Tensor)]
-        spec.set_output(flat_out, out_spec, ctx.out_tensor_idx)
-        outs = tuple(flat_out[i] for i in ctx.out_tensor_idx)
+        spec.set_output(flat_out, out_spec, ctx.out_tensor_idx, recorded)
+        # The block's output tensors, then what its submodules recorded (router logits): extra outputs, so
+        # that a loss built from them (the router's auxiliary loss) sends its gradient into this backward.
+        outs = tuple(flat_out[i] for i in ctx.out_tensor_idx) + tuple(side)
         if runner.keeps(block):
             ctx.kept = (list(outs), inputs, leaves)  # the graph's lifetime: until this block's backward
             outs = tuple(o.detach() for o in outs)
@@ -159,9 +174,10 @@ class StreamedBlock(torch.autograd.Function):
             leaves = _leaf_weights(weights, flags)
             with torch.enable_grad(), ctx.recompute.replay():
                 args, kwargs = ctx.spec.rebuild(inputs)
-                out = runner.run_forward(ctx.block, args, kwargs, weights=leaves)
+                out, side = side_outputs.recompute(
+                    ctx.spec.recorded, lambda: runner.run_forward(ctx.block, args, kwargs, weights=leaves), ctx.block)
             flat_out = pytree.tree_leaves(out)
-            outs = [flat_out[i] for i in ctx.out_tensor_idx]
+            outs = [flat_out[i] for i in ctx.out_tensor_idx] + side
         diff_inputs = [t for t in inputs if t.requires_grad]
         grad_leaves = [w for w in leaves if w.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
@@ -203,6 +219,7 @@ class CallSpec:
         self.out_flat: list[Any] = []
         self.out_tree: Any = None
         self.out_idx: list[int] = []
+        self.recorded: side_outputs.Recorded | None = None  # what the call recorded (router logits), if anything
 
     def take_tensors(self) -> list[torch.Tensor]:
         """The call's tensors, handed over once: afterwards the spec holds no reference to them."""
@@ -218,15 +235,22 @@ class CallSpec:
         args, kwargs = pytree.tree_unflatten(flat, self.tree)
         return args, kwargs
 
-    def set_output(self, flat_out: list[Any], out_tree: Any, idx: list[int]) -> None:
+    def set_output(self, flat_out: list[Any], out_tree: Any, idx: list[int],
+                   recorded: side_outputs.Recorded | None = None) -> None:
         # Non-tensor leaves of the output (None, ints) are kept; tensors are dropped here so that the
         # spec, which lives as long as the graph, does not hold the block's output alive.
         self.out_flat = [None if isinstance(o, torch.Tensor) else o for o in flat_out]
         self.out_tree = out_tree
         self.out_idx = idx
+        self.recorded = recorded
 
     def rebuild_output(self, outs: Sequence[torch.Tensor]) -> Any:
+        """The block's output from the Function's outputs; the extra ones after it (what the block's
+        submodules recorded) go back into the recording collector, in their places."""
+        n = len(self.out_idx)
+        if self.recorded is not None:
+            self.recorded.put_back(outs[n:])
         flat = list(self.out_flat)
-        for i, t in zip(self.out_idx, outs):
+        for i, t in zip(self.out_idx, outs[:n]):
             flat[i] = t
         return pytree.tree_unflatten(flat, self.out_tree)

@@ -11,8 +11,23 @@ hardware figure `8·N + 16·L·H·Q·T` (one extra forward) is reported separate
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
+
+
+def expert_share(config: Any) -> float:
+    """The fraction of its experts' weights a token passes through: ``num_experts_per_tok`` of
+    ``num_local_experts`` (or ``num_experts``); 1.0 for a dense model."""
+    experts_total = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    experts_active = getattr(config, "num_experts_per_tok", None)
+    return experts_active / experts_total if experts_total and experts_active else 1.0
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether a parameter (by its qualified name) is a routed expert's weight: under an ``experts`` module
+    (Hugging Face's 3-d ``*Experts`` and ModuleList experts alike; a shared expert is not one)."""
+    return ".experts." in f".{name}."
 
 
 @dataclass(frozen=True)
@@ -39,8 +54,7 @@ class ModelShape:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
-        experts_total = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        experts_active = getattr(config, "num_experts_per_tok", None)
+        share = expert_share(config)
         total = active = 0.0
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -50,8 +64,8 @@ class ModelShape:
             total += p.numel()
             if p is embed:
                 continue
-            if experts_total and experts_active and ".experts." in f".{name}.":
-                active += p.numel() * experts_active / experts_total
+            if share < 1.0 and is_expert_weight(name):
+                active += p.numel() * share
             else:
                 active += p.numel()
         if head is not None and head.weight is embed:  # tied: the table is also the output matmul

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..config import EngineConfig, grad_buffers_for
 from ..errors import ConfigError
 from ..hardware import HardwareProfile
+from .experts import host_bound_warning
 from .memory import (
     CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, grad_host_bytes,
     host_bytes,
@@ -42,6 +43,7 @@ class Plan:
     bottleneck: str
     max_micro_batch: int  # at the run's seq_len
     max_seq_len: int  # at the run's micro-batch
+    moe_warning: str | None = None  # a mixture of experts bound by host work (plan/experts.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,6 +126,7 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
         gpu=gpu, gpu_total=gpu_total, gpu_available=gpu_available,
         times=times, step_s=times["step"], bottleneck=bottleneck(times),
         max_micro_batch=max_mb, max_seq_len=max_seq,
+        moe_warning=host_bound_warning(shape, run, hw, times, max_mb, pinned_ok or hw.accelerator != "cuda", model),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .experts import plan_note
 from .fit import Plan
 from .memory import GB, GIB
 from .timing import MATMUL_EFFICIENCY
@@ -23,8 +24,10 @@ def format_plan(plan: Plan) -> str:
     lines = [
         verdict(plan),
         "",
+        *([f"warning: {plan.moe_warning}", ""] if plan.moe_warning else []),
         f"plan: model={plan.model} ({n / 1e9:.3f} B params: {s.layers} blocks of up to {s.largest_block / 1e6:.1f} M, "
         f"{s.resident_params / 1e6:.1f} M resident) on hardware={plan.hardware}",
+        *([plan_note(s)] if plan_note(s) else []),
         f"run: micro-batch {w.micro_batch} x seq {w.seq_len}, accumulate {w.accumulate}, loss "
         f"{'chunks of ' + str(w.loss_chunk_tokens) + ' tokens' if w.loss_chunk_tokens else 'unchunked'}",
         f"engine: slots {e.slots}, keep {e.keep_activations} ({e.kept_saves}), cache {e.cache_weights}, offload inputs "

@@ -26,6 +26,19 @@ class PlanShape:
     # rest in their own dtype. None: every parameter trains.
     trainable_params: int | None = None
     frozen_bytes: float = 0.0
+    # Mixture of experts: the block parameters a token passes through (its experts_per_token / num_experts
+    # of the expert weights, models/model_shape.py's rule). Device FLOPs follow these; the copies and the host
+    # AdamW touch every block parameter. None: a dense model (all of them).
+    active_block_params: int | None = None
+
+    @property
+    def active_blocks(self) -> int:
+        return self.block_params if self.active_block_params is None else self.active_block_params
+
+    @property
+    def active_fraction(self) -> float:
+        """Block parameters a token passes through, over those the host updates and the link carries."""
+        return self.active_blocks / max(self.block_params, 1)
 
     @property
     def trained(self) -> int:
@@ -40,10 +53,13 @@ class PlanShape:
         """Counts from a Hugging Face causal LM (the meta device is fine); the blocks are the ones
         MegaTrainStrategy would stream."""
         from ..blocks import find_blocks
+        from ..models.model_shape import expert_share, is_expert_weight
 
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         blocks = [m for _, m in find_blocks(model)]
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        share = expert_share(config)
+        active = sum(p.numel() * (share if is_expert_weight(n) else 1.0) for b in blocks for n, p in b.named_parameters())
         total = sum(p.numel() for p in model.parameters())  # parameters() deduplicates tied weights
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -62,6 +78,7 @@ class PlanShape:
             hidden=config.hidden_size,
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             vocab=config.vocab_size,
+            active_block_params=round(active) if share < 1.0 else None,
         )
 
     def untied_head(self) -> int:

@@ -40,7 +40,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     """Seconds per phase from the ceilings, and the step from the overlap condition.
 
     Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
-    kept; the head 2 forward + 4 backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T
+    kept, N the block parameters a token passes through (a mixture of experts: its active experts only,
+    while the copies and the host AdamW below are on every parameter); the head 2 forward + 4 backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T
     with recompute (DESIGN.md §6, hardware FLOPs). Copies: a cached block's weights once per step, every
     other block's twice per micro-batch (forward and recompute), the resident fp32 masters once per step;
     every gradient once per micro-batch back. Host work beside the backward: from the second micro-batch
@@ -63,8 +64,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     recompute = (layers - keep) / layers  # fraction of the blocks recomputed in the backward
     streamed = (layers - cached) / layers  # fraction of the block weights copied per micro-batch
     attn = 4 * shape.layers * shape.heads * shape.head_dim * w.seq_len  # per token, one pass
-    fwd_flops = tokens * (2 * shape.block_params + 2 * shape.head_params + attn)
-    bwd_flops = tokens * ((4 + 2 * recompute) * shape.block_params + (6 if chunked else 4) * shape.head_params
+    active = shape.active_blocks  # a mixture of experts computes on its active experts only
+    fwd_flops = tokens * (2 * active + 2 * shape.head_params + attn)
+    bwd_flops = tokens * ((4 + 2 * recompute) * active + (6 if chunked else 4) * shape.head_params
                           + (2 + recompute) * attn)
     dev_fwd, dev_bwd = fwd_flops / rate, bwd_flops / rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is

@@ -1,0 +1,103 @@
+"""Mixture of experts: the device computes on the active experts, the host works on all of them.
+
+A token passes through ``experts_per_token / num_experts`` of a block's expert weights, so the device FLOPs
+of a step fall by about that ratio (gpt-oss-20b: 4 of 32 experts, 21% of its block parameters active),
+while everything MegaTrainStrategy does per parameter stays: the weights cross the link twice per
+micro-batch (forward and recompute), the gradients once, and the host AdamW updates every expert every step
+(an expert without tokens still decays, as in native AdamW). A run that a dense model of the same size would
+keep compute-bound then waits on the host or the link. More tokens hide that work: the copies are paid per
+micro-batch (a larger micro-batch), the host update per step (accumulation too).
+
+:func:`host_bound_warning` says so, with the workload that would make device compute the busiest resource
+again (by the same step model, ``timing.py``); the plan carries it, its report and ``train.py`` print it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..hardware import HardwareProfile
+from .memory import GB, host_bytes
+from .run import Run
+from .shape import PlanShape
+from .timing import bottleneck, step_times
+
+COPIES = ("host->device copies", "device->host copies")
+
+
+def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: dict[str, float],
+                       max_micro_batch: int, pinned_ok: bool = True, model: str = "the model") -> str | None:
+    """A warning when a mixture of experts (``shape.active_fraction < 1``) is bound by the host optimizer or
+    the link rather than device compute, naming the ratio, the resource and the tokens per step that would
+    hide it; None otherwise.
+
+    The workload it names: the smallest micro-batch (at the run's seq_len and accumulation) whose device
+    compute covers the copies and the host update, where the device holds it; else the largest the device
+    holds, and the accumulation that covers the host update (each further micro-batch adds one host
+    accumulation, 12 of AdamW's 28 B/param), with what stays exposed (copies the device cannot hold the
+    micro-batch to hide, host memory that accumulation's own fp32 accumulators would need).
+    """
+    busy = bottleneck(times)
+    if shape.active_fraction >= 1.0 or busy == "compute":
+        return None
+    w = run.work
+    everything = (*COPIES, "host optimizer")
+
+    def hidden(micro_batch: int, accumulate: int, what: tuple[str, ...]) -> bool:
+        t = step_times(shape, run.replace(micro_batch=micro_batch, accumulate=accumulate), hw, pinned_ok)
+        return t["device compute"] >= max(t[k] for k in what)
+
+    resource = busy if busy == "host optimizer" else f"{busy} copies"
+    head = (f"{model} is a mixture of experts: a token passes through {shape.active_fraction:.0%} of the block "
+            f"parameters ({shape.active_blocks / 1e9:.2f} of {shape.block_params / 1e9:.2f} B), so the device "
+            f"computes on those while the host AdamW and the copies work on all of them: at "
+            f"{w.tokens * w.accumulate:,} tokens per step the step is bound by the {resource} "
+            f"({times[resource]:.3f} s against {times['device compute']:.3f} s of device compute). ")
+    holds = max(max_micro_batch, w.micro_batch)
+    both = _smallest(w.micro_batch, lambda mb: hidden(mb, w.accumulate, everything))
+    if both is not None and both <= holds:
+        return head + (f"About {both * w.seq_len * w.accumulate:,} tokens per step would hide the host work: "
+                       f"data.batch_size={both} at data.seq_len={w.seq_len}")
+    copies = _smallest(w.micro_batch, lambda mb: hidden(mb, w.accumulate, COPIES))
+    micro_batch = holds if copies is None else min(copies, holds)
+    accumulate = _smallest(w.accumulate, lambda a: hidden(micro_batch, a, ("host optimizer",)), limit=1 << 16)
+    if accumulate is None:
+        out = head + f"At data.batch_size={micro_batch} no accumulation hides the host update"
+    else:
+        out = head + (f"About {micro_batch * w.seq_len * accumulate:,} tokens per step would hide the host update: "
+                      f"data.batch_size={micro_batch} at data.seq_len={w.seq_len} with "
+                      f"trainer.accumulate_grad_batches={accumulate} (the copies are paid per micro-batch, the "
+                      f"host update per step)")
+        longer = run.replace(micro_batch=micro_batch, accumulate=accumulate)
+        need, have = sum(host_bytes(shape, longer).values()), hw.host_memory_gb * GB
+        if accumulate > 1 and need > have:
+            out += (f"; but accumulating keeps an fp32 gradient accumulator per parameter: {need / GB:,.0f} GB of "
+                    f"host memory, over hardware={hw.name}'s {have / GB:,.0f} GB (strategy.engine.host_state=compact "
+                    f"needs less)")
+    if copies is None or copies > holds:
+        out += (f"; the copies stay exposed: the device holds at most data.batch_size={holds} at this seq_len"
+                + (f", hiding them takes {copies}" if copies is not None else "")
+                + " (strategy.engine.cache_weights or keep_activations cut them)")
+    return out
+
+
+def plan_note(shape: PlanShape) -> str:
+    """The plan report's one line on the active parameters ('' for a dense model)."""
+    if shape.active_fraction >= 1.0:
+        return ""
+    return (f"mixture of experts: {shape.active_blocks / 1e9:.3f} B of {shape.block_params / 1e9:.3f} B block params "
+            f"active per token ({shape.active_fraction:.1%}): device FLOPs on those, copies and host AdamW on all")
+
+
+def _smallest(start: int, ok: Callable[[int], bool], limit: int = 1 << 24) -> int | None:
+    """The smallest n >= start with ok(n), for ok monotone in n (doubling, then bisection); None past limit."""
+    hi = start
+    while not ok(hi):
+        if hi >= limit:
+            return None
+        hi *= 2
+    lo = start
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if not ok(mid) else (lo, mid)
+    return hi

@@ -1,0 +1,131 @@
+"""The planner on mixtures of experts (issue 18): device FLOPs on the active parameters, copies and the host
+AdamW on all of them, and the warning when that ratio leaves the step bound by host work."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from megatrain_lightning.config import EngineConfig
+from megatrain_lightning.hardware import HardwareProfile
+from megatrain_lightning.models.model_shape import ModelShape
+from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, plan_from_config
+
+# 2 blocks of 300 params, 400 resident, widths small enough to add by hand (as tests/test_planner.py).
+SHAPE = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
+                  layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
+RUN = Run(Workload(micro_batch=2, seq_len=3), EngineConfig(slots=3, grad_buffers=4, bf16_grads=False))
+HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision="bf16-mixed", device_memory_gb=2,
+                     host_memory_gb=10, link_gb_per_s=1, peak_bf16_tflops=1, slots=3, micro_batch=2, seq_len=3,
+                     pinned_budget_gb=1, host_adam_gparams_per_s=1)
+
+
+def test_active_block_params_by_hand_and_as_model_shape_counts_them() -> None:
+    """Tiny GPT-OSS (4 experts, top-2) and Qwen3-MoE (its middle layer dense): the non-expert block weights
+    in full, the experts' at 2/4; the same rule as ModelShape's active parameters (which also count the head
+    and the final norm, not the input embedding)."""
+    from zoo import TinyGptOss, TinyQwen3Moe
+
+    for cls in (TinyGptOss, TinyQwen3Moe):
+        model = cls().model
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert experts > 0
+        shape = PlanShape.of(model)
+        assert shape.active_block_params == shape.block_params - experts // 2
+        assert shape.active_fraction == pytest.approx(shape.active_block_params / shape.block_params)
+        resident_active = shape.resident_params - model.get_input_embeddings().weight.numel()
+        assert ModelShape.of(model).active_params == shape.active_blocks + resident_active
+
+
+def test_a_dense_model_has_every_block_parameter_active() -> None:
+    from zoo import TinyLlama
+
+    shape = PlanShape.of(TinyLlama().model)
+    assert shape.active_block_params is None and shape.active_blocks == shape.block_params
+    assert shape.active_fraction == 1.0
+
+
+def test_device_flops_on_active_parameters_copies_and_host_adamw_on_all() -> None:
+    """A quarter of the block parameters active: the block FLOPs (2N fwd, 4N + 2N recompute bwd) shrink by
+    three quarters of 8N per token; the copies and the host optimizer do not change."""
+    dense = make_plan(SHAPE, RUN, HW)
+    moe = make_plan(dataclasses.replace(SHAPE, active_block_params=150), RUN, HW)
+    tokens, rate = 6, 0.6e12
+    assert dense.times["device compute"] - moe.times["device compute"] == pytest.approx(tokens * 8 * 450 / rate)
+    for key in ("host->device copies", "device->host copies", "host optimizer"):
+        assert moe.times[key] == dense.times[key]
+
+
+def _gpt_oss(overrides: list[str], model: str = "gpt_oss_20b"):
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning.conf_dir import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=[f"model={model}", "hardware=h200", "data=synthetic",
+                                                       *overrides])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_shape() -> PlanShape:
+    from megatrain_lightning.plan.from_config import model_shape
+
+    return model_shape(_gpt_oss([]))
+
+
+def test_host_bound_moe_is_warned_with_the_tokens_that_hide_the_host_work(gpt_oss_shape: PlanShape) -> None:
+    """gpt-oss-20b on an H200 at 4 x 2048 tokens: 15% of its block parameters active, bound by the host
+    AdamW; the warning names the batch that makes device compute the busiest resource, and at that batch
+    the plan is compute-bound (one row fewer is not), with no warning."""
+    plan = plan_from_config(_gpt_oss([]), shape=gpt_oss_shape)
+    assert plan.shape.active_fraction == pytest.approx(0.153, abs=1e-3)
+    assert plan.bottleneck == "host optimizer" and plan.moe_warning is not None
+    warning = plan.moe_warning
+    assert "15% of the block parameters" in warning and "bound by the host optimizer" in warning
+    batch = int(warning.split("data.batch_size=")[1].split()[0])
+    assert f"About {batch * 2048:,} tokens per step" in warning
+    hidden = plan_from_config(_gpt_oss([f"data.batch_size={batch}"]), shape=gpt_oss_shape)
+    assert hidden.bottleneck == "compute" and hidden.moe_warning is None
+    assert plan_from_config(_gpt_oss([f"data.batch_size={batch - 1}"]), shape=gpt_oss_shape).bottleneck != "compute"
+    # the same shape counted as dense is never warned about, bound by the host or not
+    dense = plan_from_config(_gpt_oss([]), shape=dataclasses.replace(gpt_oss_shape, active_block_params=None))
+    assert dense.moe_warning is None
+
+
+def test_plan_report_and_train_start_show_the_warning(gpt_oss_shape: PlanShape, caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatrain_lightning import cli
+    from megatrain_lightning.hardware import resolve_hardware
+    from megatrain_lightning.plan import format_plan
+    from megatrain_lightning.plan import from_config
+
+    cfg = _gpt_oss([])
+    report = format_plan(plan_from_config(cfg, shape=gpt_oss_shape))
+    assert "\nwarning: gpt_oss_20b is a mixture of experts" in report
+    assert "mixture of experts: 3.029 B of 19.756 B block params active per token" in report
+    monkeypatch.setattr(from_config, "model_shape", lambda _cfg: gpt_oss_shape)  # the meta model, built once
+    with caplog.at_level(logging.WARNING, logger=cli.__name__):
+        cli.check_fits(cfg, resolve_hardware(cfg), "gpt_oss_20b", "megatrain", gpt_oss_shape.total_params)
+    assert any("is a mixture of experts" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_moe_too_sparse_for_the_device_names_what_stays_exposed() -> None:
+    """gpt-oss-120b: the batch that would hide the copies does not fit the device, and accumulation's own
+    gradient accumulators do not fit the host: both are said."""
+    cfg = _gpt_oss([], model="gpt_oss_120b")
+    plan = plan_from_config(cfg)
+    assert plan.moe_warning is not None
+    assert "the copies stay exposed: the device holds at most data.batch_size=" in plan.moe_warning
+    assert "trainer.accumulate_grad_batches=" in plan.moe_warning and "host_state=compact" in plan.moe_warning
+
+
+def test_gpt_oss_configs_say_the_router_loss_trains() -> None:
+    """The model configs no longer claim the router's auxiliary loss cannot be trained."""
+    from megatrain_lightning.conf_dir import config_dir
+
+    for name in ("gpt_oss_20b", "gpt_oss_120b"):
+        text = (config_dir() / "model" / f"{name}.yaml").read_text()
+        assert "cannot backpropagate" not in text
+
