@@ -73,12 +73,18 @@ def test_batched_greedy_decoding_with_left_padding_equals_one_by_one() -> None:
         assert together[i].tolist() == alone[0].tolist()
 
 
-def test_exact_match_requires_every_answer_token_and_the_stop() -> None:
+def test_exact_match_compares_final_answers_up_to_the_stop() -> None:
     module = built()
-    target = torch.tensor([[50, 258, IGNORE_INDEX], [50, 48, 258], [50, 48, 258]])
-    preds = torch.tensor([[50, 258, 7], [50, 48, 7], [50, 49, 258]])  # right; no stop; wrong digit
-    module.exact_match.update(preds, target)
-    assert float(module.exact_match.compute()) == pytest.approx(1 / 3)
+    target = torch.tensor([[50, 258, IGNORE_INDEX, IGNORE_INDEX]] + [[50, 48, 258, IGNORE_INDEX]] * 3)  # "2", "20" x 3
+    preds = torch.tensor([
+        [50, 258, 55, 55],  # "2", then the stop: what follows it is not read
+        [50, 48, 49, 258],  # "201": no stop after the answer, a digit too many
+        [50, 49, 258, 258],  # "21": a wrong digit
+        [61, 32, 50, 48],  # "= 20": the same final number, worded differently
+    ])
+    assert module.answers_match(preds, target).tolist() == [1.0, 0.0, 0.0, 1.0]
+    module.exact_match.update(module.answers_match(preds, target))
+    assert float(module.exact_match.compute()) == pytest.approx(0.5)
 
 
 def test_flops_per_token_follows_the_formula() -> None:
