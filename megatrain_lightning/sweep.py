@@ -7,7 +7,8 @@ launcher calls `run_job` for each combination, which re-executes the same script
 overrides as a plain single run in the job's directory and waits for it. The child writes
 `run_info.json` before training and `metrics.json` after; the parent adds the exit status and a
 one-line reason as `sweep_row.json` and never raises, so the sweep always reaches its end, where
-`SweepTable` (a Hydra callback) gathers the rows into `sweep_results.csv` and `sweep_results.md`.
+`SweepTable` (a Hydra callback) gathers the rows into `sweep_results.csv` and `sweep_results.md`, and
+draws the runs' curves side by side in `sweep_curves.png` (with matplotlib).
 Cost: each run pays Python and library start-up again (seconds), negligible beside a training run.
 """
 
@@ -142,11 +143,17 @@ def write_table(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 class SweepTable(Callback):
-    """Hydra callback: at the end of a multirun, writes the sweep's results table (CSV and Markdown)."""
+    """Hydra callback: at the end of a multirun, writes the sweep's results table (CSV and Markdown) and
+    its curves (PNG)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_table(sweep_dir)
+        from megatrain_lightning.plot import plot_sweep
+
+        png = plot_sweep(sweep_dir, rows)  # None (with a one-line note) without matplotlib
+        if png is not None:
+            log.info("sweep: curves in %s", png)
         ok = sum(1 for r in rows if r.get("status") == "ok")
         log.info("sweep: %d of %d runs ok; table in %s\n%s", ok, len(rows), sweep_dir / "sweep_results.md",
                  (sweep_dir / "sweep_results.md").read_text())
