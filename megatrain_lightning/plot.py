@@ -62,13 +62,14 @@ def plot_run(run_dir: str | Path) -> Path | None:
         log.info(_NO_MATPLOTLIB, RUN_PNG)
         return None
     series = read_metrics_csv(run_dir / "logs" / "metrics.csv")
-    if "loss" not in series:
-        log.info("no %s: %s has no training loss logged", RUN_PNG, run_dir / "logs" / "metrics.csv")
+    if "loss" not in series and "val/loss" not in series:
+        log.info("no %s: %s has no loss logged", RUN_PNG, run_dir / "logs" / "metrics.csv")
         return None
     lr, em = _lr_key(series), series.get("val/exact_match")
     fig, axes = _figure(1 + bool(lr) + bool(em))
     ax = axes[0]
-    ax.plot(*zip(*series["loss"]), label="training loss", linewidth=1)
+    if "loss" in series:  # logged every trainer.log_every_n_steps: none in a shorter run
+        ax.plot(*zip(*series["loss"]), label="training loss", linewidth=1)
     if "val/loss" in series:
         ax.plot(*zip(*series["val/loss"]), "o-", label="validation loss")
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
@@ -90,28 +91,33 @@ def plot_run(run_dir: str | Path) -> Path | None:
 
 def plot_sweep(sweep_dir: str | Path, rows: list[dict[str, Any]]) -> Path | None:
     """`<sweep_dir>/sweep_curves.png`: every run's training loss (and exact match, when validated) on one
-    axis each, labelled by job, model and strategy; and tokens/s by run."""
+    axis each, labelled by job and its overrides (else model and strategy); and tokens/s by run."""
     sweep_dir = Path(sweep_dir)
     if importlib.util.find_spec("matplotlib") is None:
         log.info(_NO_MATPLOTLIB, SWEEP_PNG)
         return None
+    overrides = [str(row.get("overrides") or "").split() for row in rows]
+    shared = set.intersection(*map(set, overrides)) if overrides else set()
     runs = []
-    for row in rows:
+    for row, own in zip(rows, overrides):
         job = str(row.get("job", ""))
         series = read_metrics_csv(sweep_dir / job / "logs" / "metrics.csv")
-        label = f"{job}: {row.get('model', '?')} / {row.get('strategy', '?')}"
-        runs.append((label, series, row))
-    if not any("loss" in s for _, s, _ in runs):
-        log.info("no %s: no run of %s logged a training loss", SWEEP_PNG, sweep_dir)
+        differs = " ".join(o for o in own if o not in shared)  # what sets this run apart from the others
+        label = f"{job}: {differs or str(row.get('model', '?')) + ' / ' + str(row.get('strategy', '?'))}"
+        runs.append((label if len(label) <= 48 else label[:47] + "…", series, row))
+    if not any("loss" in s or "val/loss" in s for _, s, _ in runs):
+        log.info("no %s: no run of %s logged a loss", SWEEP_PNG, sweep_dir)
         return None
     with_em = any("val/exact_match" in s for _, s, _ in runs)
     fig, axes = _figure(2 + with_em)
     for label, series, _ in runs:
         if "loss" in series:
             axes[0].plot(*zip(*series["loss"]), label=label, linewidth=1)
+        elif "val/loss" in series:  # a run too short to log its training loss
+            axes[0].plot(*zip(*series["val/loss"]), "o--", label=f"{label} (validation)")
         if with_em and "val/exact_match" in series:
             axes[1].plot(*zip(*series["val/exact_match"]), "o-", label=label)
-    axes[0].set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
+    axes[0].set(xlabel="step", ylabel="loss", yscale="log", title="loss")
     axes[0].legend(fontsize="small")
     if with_em:
         axes[1].set(xlabel="step", ylabel="exact match", ylim=(-0.02, 1.02), title="exact match (held out)")

@@ -75,15 +75,16 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     return "error", reason or f"exit code {returncode}"
 
 
-def run_child(cmd: list[str], job_dir: Path, job: int | str = "") -> dict[str, Any]:
-    """Run one job's command with output to `job_dir/output.log`; returns and writes its row."""
+def run_child(cmd: list[str], job_dir: Path, job: int | str = "", overrides: str = "") -> dict[str, Any]:
+    """Run one job's command with output to `job_dir/output.log`; returns and writes its row (`overrides`:
+    the job's own, as the sweep's curves label it)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(job_dir / OUTPUT_FILE, "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     output = (job_dir / OUTPUT_FILE).read_text(errors="replace")[-20000:]
     status, reason = classify(rc, output)
-    row: dict[str, Any] = {"job": job}
+    row: dict[str, Any] = {"job": job, "overrides": overrides}
     for name in ("run_info.json", "metrics.json"):
         if (job_dir / name).is_file():
             row.update(json.loads((job_dir / name).read_text()))
@@ -103,7 +104,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     cmd += [f"--config-dir={s.path}" for s in hc.runtime.config_sources if s.provider == "command-line"]
     cmd += list(hc.overrides.task)
     cmd += [f"hydra.run.dir='{job_dir}'", "hydra.output_subdir=null"]  # the parent already saved .hydra/
-    row = run_child(cmd, job_dir, job=hc.job.num)
+    row = run_child(cmd, job_dir, job=hc.job.num, overrides=" ".join(hc.overrides.task))
     log.info("job %s (%s): %s in %.0f s", hc.job.num, " ".join(hc.overrides.task), row["status"], row["wall_s"])
     return row
 

@@ -42,7 +42,11 @@ def test_default_run_learns_arithmetic_in_under_two_minutes(tmp_path: Path) -> N
     shown = proc.stdout + proc.stderr
     for field in ("loss", "tokens/s", "TFLOPS"):  # on the progress bar
         assert field in shown, field
-    assert (metrics_file.parent / "logs" / "metrics.csv").is_file()  # the CSV logger's per-step log
+    run_dir = metrics_file.parent
+    assert (run_dir / "logs" / "metrics.csv").is_file()  # the CSV logger's per-step log
+    assert f"run directory: {run_dir.resolve()}" in proc.stdout  # says where it all is
+    for left in ("hf/config.json", "hf/model.safetensors", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "curves.png"):
+        assert (run_dir / left).is_file() and (run_dir / left).stat().st_size > 0, left
     assert wall < 120, f"the default run took {wall:.0f} s (budget: 2 minutes on 2 cores)"
 
 
@@ -69,6 +73,8 @@ def test_multirun_tabulates_every_run_including_a_failed_one(tmp_path: Path) -> 
     table = (sweep_dir / "sweep_results.md").read_text().splitlines()
     assert len(table) == 4 and "tokens/s" in table[0] and "| ok |" in table[2] and "error: " in table[3]
     assert (sweep_dir / "0" / "metrics.json").is_file() and not (sweep_dir / "1" / "metrics.json").exists()
+    png = sweep_dir / "sweep_curves.png"  # the runs side by side
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 
 # name → (overrides, fragments the one-line message must contain)
