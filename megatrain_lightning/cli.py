@@ -177,10 +177,13 @@ def has_validation(trainer_node: DictConfig, data: Any) -> bool:
     return bool(len(loader)) if hasattr(loader, "__len__") else True
 
 
-def build_callbacks(trainer_node: DictConfig, validates: bool) -> list[Any]:
+def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool = True) -> list[Any]:
     """The Trainer's callbacks from ``trainer.callbacks`` (by name; null entries skipped): the checkpoint
-    callback only with ``enable_checkpointing``, and monitoring nothing (``last.ckpt`` only) without validation."""
+    callback only with ``enable_checkpointing``, and monitoring nothing (``last.ckpt`` only) without validation;
+    neither checkpoints nor the export when the data teaches nothing (``saves_model`` false: random tokens)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from megatrain_lightning.callbacks import HFExport
 
     nodes = trainer_node.get("callbacks") or {}
     if isinstance(nodes, ListConfig):  # a plain list (older configs): every entry
@@ -189,15 +192,40 @@ def build_callbacks(trainer_node: DictConfig, validates: bool) -> list[Any]:
     for name, node in nodes.items():
         if node is None:
             continue
-        target = str(node.get("_target_", ""))
-        cls = hydra.utils.get_class(target) if target else None
+        try:
+            cls = hydra.utils.get_class(str(node.get("_target_", "")))
+        except Exception:  # not a class we can import: instantiate below says why, in its own words
+            cls = None
         is_checkpoint = isinstance(cls, type) and issubclass(cls, ModelCheckpoint)
         if is_checkpoint and trainer_node.get("enable_checkpointing") is False:
+            continue
+        if not saves_model and isinstance(cls, type) and (is_checkpoint or issubclass(cls, HFExport)):
+            log.info("trainer.callbacks.%s: not used, the data (random tokens) teaches nothing worth saving", name)
             continue
         if is_checkpoint and not validates and node.get("monitor") is not None:
             node = OmegaConf.merge(node, {"monitor": None})
         callbacks.append(instantiate(node))
     return callbacks
+
+
+def warn_if_disk_is_short(out_dir: Path, num_params: int, callbacks: list[Any], host_state: str | None) -> None:
+    """A warning (not a refusal: these are estimates) when the run's checkpoints and export may not fit the disk."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from megatrain_lightning.callbacks import HFExport
+
+    per_ckpt = num_params * (8 if host_state == "compact" else 12)  # weights + AdamW moments
+    files = sum(1 + bool(c.monitor) for c in callbacks if isinstance(c, ModelCheckpoint))
+    export = sum(num_params * (c.dtype.itemsize if c.dtype is not None else 4) for c in callbacks if isinstance(c, HFExport))
+    need = files * per_ckpt + export
+    where = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        log.warning("checkpoints and export may need %.1f GB but %s has %.1f GB free: set trainer.callbacks.checkpoint="
+                    "null and/or trainer.callbacks.hf_export=null (or trainer.callbacks.hf_export.dtype=bfloat16), or "
+                    "paths.output_dir=<a larger disk>", need / GB, where, free / GB)
 
 
 def _find(callbacks: list[Any], cls: type) -> Any:
@@ -277,7 +305,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
         data.setup("fit")  # read and tokenise now: bad data fails here, not after the model is built
         validates = has_validation(cfg.trainer, data)
-        callbacks = build_callbacks(cfg.trainer, validates)
+        callbacks = build_callbacks(cfg.trainer, validates, saves_model=getattr(data, "saves_model", True))
+        engine = cfg.strategy.get("engine") if _is_megatrain(cfg.strategy) else None
+        warn_if_disk_is_short(out_dir, shape.total_params, callbacks, engine.get("host_state") if engine else None)
         strategy = build_strategy(cfg.strategy, hw, plan)
         trainer_node = OmegaConf.create(OmegaConf.to_container(cfg.trainer, resolve=True))
         trainer_node.pop("callbacks", None)  # built above, by name

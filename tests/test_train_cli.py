@@ -225,3 +225,24 @@ def test_sweep_curves_compare_the_runs(tmp_path: Path) -> None:
         rows.append({"job": job, "model": model, "strategy": "megatrain", "tokens_per_s": speed})
     png = plot_sweep(tmp_path, rows)
     assert png == tmp_path / SWEEP_PNG and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+
+
+def test_without_validation_last_checkpoint_and_export_and_random_tokens_save_nothing(tmp_path: Path) -> None:
+    """Continued pre-training on text (no validation): last.ckpt and hf/, no best.ckpt. Synthetic throughput
+    data: neither (a 7B throughput run would write 120 GB of training state for random tokens)."""
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning import cli
+
+    (tmp_path / "corpus.txt").write_text("hello world, this is some text. " * 200)
+    runs = {}
+    for name, data in (("text", ["data=text", f"data.path={tmp_path / 'corpus.txt'}"]), ("synthetic", ["data=synthetic"])):
+        with initialize_config_dir(config_dir=str(TRAIN.parent / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", return_hydra_config=True, overrides=[
+                *data, "hardware=cpu", "data.seq_len=32", "trainer.max_steps=3", f"paths.output_dir={tmp_path / name}"])
+        runs[name] = cli.train(cfg)
+    text, synthetic = runs["text"], runs["synthetic"]
+    assert text["exact_match"] is None and text["best_checkpoint"] is None and text["last_checkpoint"].endswith("last.ckpt")
+    assert (tmp_path / "text" / "hf" / "model.safetensors").is_file()
+    assert synthetic["hf_dir"] is None and synthetic["last_checkpoint"] is None
+    assert not (tmp_path / "synthetic" / "hf").exists() and not (tmp_path / "synthetic" / "checkpoints").exists()
