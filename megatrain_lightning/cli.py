@@ -1,17 +1,19 @@
 """The training application behind `train.py`: one composed config in, one trained model out.
 
 `train(cfg)` is a plain function (no Hydra inside, so tests and notebooks call it directly): it
-resolves the hardware profile, builds the model on the meta device to count its parameters, plans the
-run (``megatrain_lightning.plan``: refusing a model whose training state cannot fit host memory), and
-only then instantiates data, strategy and Trainer, validates (the starting exact match), fits, and
-validates again. Every run leaves
-`run_info.json` (written before training: what was attempted) and `metrics.json` (after: what it
-measured) in its output directory; the sweep table is built from those.
+checks the config's values against the constructors they go to (``schema.py``), resolves the hardware
+profile, builds the model on the meta device to count its parameters, plans the run
+(``megatrain_lightning.plan``: refusing a model whose training state cannot fit host memory), reads and
+tokenises the data, and only then builds strategy and Trainer, validates (the starting exact match),
+fits, and validates the final weights (unless the fit's last validation already did). Every run leaves
+`run_info.json` (written before training: what was attempted), `metrics.json` (after: what it measured
+and where its outputs are), `logs/metrics.csv`, `curves.png` (with matplotlib), `checkpoints/` and the
+Hugging Face export `hf/` in its output directory, and prints where they are; the sweep table is built
+from those.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -21,8 +23,8 @@ from typing import Any
 
 import hydra
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
@@ -90,6 +92,23 @@ def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareP
         )
 
 
+def check_trainer_values(node: DictConfig) -> None:
+    """Values of the right type that Lightning would still fail on, deep inside, named with the fix."""
+    def bad(key: str, value: Any, want: str) -> ConfigError:
+        return ConfigError(f"trainer.{key}={value!r}: expected {want}")
+
+    steps = node.get("max_steps", -1)
+    if isinstance(steps, int) and (steps == 0 or steps < -1):
+        raise bad("max_steps", steps, "a positive number of optimizer steps (or -1: by max_epochs)")
+    for key in ("log_every_n_steps", "accumulate_grad_batches"):
+        value = node.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise bad(key, value, "a positive integer")
+    interval = node.get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+        raise bad("val_check_interval", interval, "a positive number of steps (or a fraction of an epoch, <= 1.0)")
+
+
 def build_strategy(node: DictConfig, hw: HardwareProfile, plan: Plan | None) -> Any:
     """The strategy, with MegaTrain's ``engine.pin_memory: null`` decided by the plan's pinned-memory budget."""
     engine = node.get("engine")
@@ -150,21 +169,123 @@ def _metric(metrics: dict[str, Any], key: str) -> float | None:
     return None if value is None else float(value)
 
 
+def has_validation(trainer_node: DictConfig, data: Any) -> bool:
+    """Whether the run validates: the data module has held-out samples and the Trainer does not turn it off."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not trainer_node.get("limit_val_batches", 1.0) or not is_overridden("val_dataloader", data):
+        return False
+    loader = data.val_dataloader()
+    return bool(len(loader)) if hasattr(loader, "__len__") else True
+
+
+def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool = True) -> list[Any]:
+    """The Trainer's callbacks from ``trainer.callbacks`` (by name; null entries skipped): the checkpoint
+    callback only with ``enable_checkpointing``, and monitoring nothing (``last.ckpt`` only) without validation;
+    neither checkpoints nor the export when the data teaches nothing (``saves_model`` false: random tokens)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from megatrain_lightning.callbacks import HFExport
+
+    nodes = trainer_node.get("callbacks") or {}
+    if isinstance(nodes, ListConfig):  # a plain list (older configs): every entry
+        nodes = {str(i): n for i, n in enumerate(nodes)}
+    callbacks = []
+    for name, node in nodes.items():
+        if node is None:
+            continue
+        try:
+            cls = hydra.utils.get_class(str(node.get("_target_", "")))
+        except Exception:  # not a class we can import: instantiate below says why, in its own words
+            cls = None
+        is_checkpoint = isinstance(cls, type) and issubclass(cls, ModelCheckpoint)
+        if is_checkpoint and trainer_node.get("enable_checkpointing") is False:
+            continue
+        if not saves_model and isinstance(cls, type) and (is_checkpoint or issubclass(cls, HFExport)):
+            log.info("trainer.callbacks.%s: not used, the data (random tokens) teaches nothing worth saving", name)
+            continue
+        if is_checkpoint and not validates and node.get("monitor") is not None:
+            node = OmegaConf.merge(node, {"monitor": None})
+        callbacks.append(instantiate(node))
+    return callbacks
+
+
+def warn_if_disk_is_short(out_dir: Path, num_params: int, callbacks: list[Any], host_state: str | None) -> None:
+    """A warning (not a refusal: these are estimates) when the run's checkpoints and export may not fit the disk."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from megatrain_lightning.callbacks import HFExport
+
+    per_ckpt = num_params * (8 if host_state == "compact" else 12)  # weights + AdamW moments
+    files = sum(1 + bool(c.monitor) for c in callbacks if isinstance(c, ModelCheckpoint))
+    export = sum(num_params * (c.dtype.itemsize if c.dtype is not None else 4) for c in callbacks if isinstance(c, HFExport))
+    need = files * per_ckpt + export
+    where = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        log.warning("checkpoints and export may need %.1f GB but %s has %.1f GB free: set trainer.callbacks.checkpoint="
+                    "null and/or trainer.callbacks.hf_export=null (or trainer.callbacks.hf_export.dtype=bfloat16), or "
+                    "paths.output_dir=<a larger disk>", need / GB, where, free / GB)
+
+
+def _find(callbacks: list[Any], cls: type) -> Any:
+    return next((c for c in callbacks if isinstance(c, cls)), None)
+
+
+def report_outputs(out_dir: Path, callbacks: list[Any]) -> dict[str, str | None]:
+    """What the run left and where (for metrics.json and the closing lines), the curves drawn first."""
+    from megatrain_lightning.callbacks import HFExport, RunCheckpoint
+    from megatrain_lightning.plot import plot_run
+
+    export = _find(callbacks, HFExport)
+    ckpt = _find(callbacks, RunCheckpoint)
+    png = plot_run(out_dir)
+    outputs = {
+        "run_dir": str(out_dir.resolve()),
+        "hf_dir": str(export.dirpath.resolve()) if export is not None and export.last_exported_step is not None else None,
+        "last_checkpoint": ckpt.last_model_path or None if ckpt is not None else None,
+        "best_checkpoint": ckpt.best_model_path or None if ckpt is not None else None,
+        "metrics_csv": str((out_dir / "logs" / "metrics.csv").resolve()) if (out_dir / "logs" / "metrics.csv").is_file() else None,
+        "curves_png": str(png.resolve()) if png is not None else None,
+    }
+    return outputs
+
+
+def _print_outputs(outputs: dict[str, str | None]) -> None:
+    lines = [f"run directory: {outputs['run_dir']}"]
+    if outputs["hf_dir"]:
+        lines.append(f"  Hugging Face model: {outputs['hf_dir']}  (AutoModelForCausalLM.from_pretrained(path))")
+    for key, what in (("last_checkpoint", "last checkpoint"), ("best_checkpoint", "best checkpoint"),
+                      ("metrics_csv", "per-step metrics"), ("curves_png", "curves")):
+        if outputs[key]:
+            lines.append(f"  {what}: {outputs[key]}")
+    lines.append(f"  summary: {Path(outputs['run_dir']) / 'metrics.json'}")
+    print("\n".join(lines), flush=True)
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job from a composed config; returns (and writes) its metrics.
 
-    Raises ConfigError for input a user can fix, before anything large is allocated.
+    Raises ConfigError for input a user can fix, before anything large is allocated: the config's values
+    are checked against the constructors they go to, and the data is read and tokenised before the
+    model is materialised.
     """
     import lightning.pytorch as pl
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from megatrain_lightning.callbacks import RunSummary
     from megatrain_lightning.callbacks.memory import peak_gpu_reserved_bytes, peak_host_rss_bytes
     from megatrain_lightning.callbacks.throughput import ThroughputMonitor
+    from megatrain_lightning.schema import check_config
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)
     try:
+        check_config(cfg, groups=("hardware",))
         hw = resolve_hardware(cfg)
+        check_config(cfg, groups=("trainer", "data", "model", "strategy"))  # after: they read ${hardware.*}
+        check_trainer_values(cfg.trainer)
         strategy_name, model_name = choice(cfg, "strategy"), choice(cfg, "model")
         check_strategy_runs_here(cfg.strategy, strategy_name, hw)
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -184,22 +305,36 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     predicted_step_s=round(plan.step_s, 4) if plan is not None else None)
         _write_json(out_dir / "run_info.json", info)
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
+        data.setup("fit")  # read and tokenise now: bad data fails here, not after the model is built
+        validates = has_validation(cfg.trainer, data)
+        callbacks = build_callbacks(cfg.trainer, validates, saves_model=getattr(data, "saves_model", True))
+        engine = cfg.strategy.get("engine") if _is_megatrain(cfg.strategy) else None
+        warn_if_disk_is_short(out_dir, shape.total_params, callbacks, engine.get("host_state") if engine else None)
         strategy = build_strategy(cfg.strategy, hw, plan)
-        trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy)
+        trainer_node = OmegaConf.create(OmegaConf.to_container(cfg.trainer, resolve=True))
+        trainer_node.pop("callbacks", None)  # built above, by name
+        trainer: pl.Trainer = instantiate(trainer_node, strategy=strategy, callbacks=callbacks)
     except MissingMandatoryValue as err:
         raise ConfigError(f"{err.full_key} must be set, e.g. python train.py {err.full_key}=...") from None
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"{key + ': ' if key else ''}{str(err).splitlines()[0]}") from None
 
-    validates = bool(trainer.limit_val_batches) and is_overridden("val_dataloader", data)
     start_em = None
     if validates:
         start_em = _metric(trainer.validate(model, datamodule=data, verbose=False)[0], "val/exact_match")
     trainer.fit(model, datamodule=data)
-    fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    final_em = None
-    if validates:
-        final_em = _metric(trainer.validate(model, datamodule=data, verbose=False)[0], "val/exact_match")
+    run = _find(trainer.callbacks, RunSummary)
+    final: dict[str, Any] = {}
+    if validates:  # the fit's own last validation, when it ran on the final weights; else one more
+        if run is not None and run.last_val_step == trainer.global_step and run.last_val_metrics:
+            final = run.last_val_metrics
+        else:
+            final = trainer.validate(model, datamodule=data, verbose=False)[0]
+    if trainer.logger is not None:
+        trainer.logger.save()  # metrics.csv complete before it is plotted
 
-    throughput = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+    throughput = _find(trainer.callbacks, ThroughputMonitor)
     batch_shape = throughput.last_batch_shape if throughput is not None else None
     summary = throughput.summary if throughput is not None else {}  # whole-run averages
     metrics = {
@@ -207,7 +342,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "micro_batch": batch_shape[0] if batch_shape else None,
         "seq_len": batch_shape[1] if batch_shape else None,
         "steps": trainer.global_step,
-        "loss": fit_metrics.get("loss"),
+        **(run.summary if run is not None else {}),
         "tokens_per_s": summary.get("tokens/s"),
         "step_s": summary["s/batch"] * int(cfg.trainer.get("accumulate_grad_batches") or 1) if summary else None,
         "tflops": summary.get("TFLOPS"),
@@ -215,9 +350,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "peak_gpu_mem_gib": peak_gpu_reserved_bytes() / 1024**3,
         "peak_host_rss_gib": peak_host_rss_bytes() / 1024**3,
         "exact_match_start": start_em,
-        "exact_match": final_em,
-        "duration_s": round(time.perf_counter() - started, 1),
+        "exact_match": _metric(final, "val/exact_match"),
+        "val_loss": _metric(final, "val/loss"),
     }
+    outputs = report_outputs(out_dir, trainer.callbacks)
+    metrics.update(duration_s=round(time.perf_counter() - started, 1), **outputs)
     _write_json(out_dir / "metrics.json", metrics)
     log.info("metrics: %s", json.dumps(metrics, default=str))
+    _print_outputs(outputs)
     return metrics

@@ -113,6 +113,7 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         total_size = _write_weights(model, state, tmp, max_shard_bytes, dtype)
+        _usual_modes(tmp)
         fsync_tree(tmp)
         replace(tmp, out)
     except BaseException:  # KeyboardInterrupt too: the previous export must survive any interruption
@@ -120,6 +121,24 @@ def export_hf(
         raise
     log.info("exported %s (%.2f GB of weights) to %s", type(model).__name__, total_size / 1e9, out)
     return out
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only be read by setting it)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
+def _usual_modes(directory: Path) -> None:
+    """The modes a plain `mkdir` and `open` would have given (mkdtemp makes the directory 0700 and some
+    writers make files 0600), so that an export is as readable as the rest of the run directory."""
+    mask = _umask()
+    directory.chmod(0o777 & ~mask)
+    for p in directory.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 # ---------------------------------------------------------------------------------------------

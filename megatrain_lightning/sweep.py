@@ -7,7 +7,8 @@ launcher calls `run_job` for each combination, which re-executes the same script
 overrides as a plain single run in the job's directory and waits for it. The child writes
 `run_info.json` before training and `metrics.json` after; the parent adds the exit status and a
 one-line reason as `sweep_row.json` and never raises, so the sweep always reaches its end, where
-`SweepTable` (a Hydra callback) gathers the rows into `sweep_results.csv` and `sweep_results.md`.
+`SweepTable` (a Hydra callback) gathers the rows into `sweep_results.csv` and `sweep_results.md`, and
+draws the runs' curves side by side in `sweep_curves.png` (with matplotlib).
 Cost: each run pays Python and library start-up again (seconds), negligible beside a training run.
 """
 
@@ -74,15 +75,16 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     return "error", reason or f"exit code {returncode}"
 
 
-def run_child(cmd: list[str], job_dir: Path, job: int | str = "") -> dict[str, Any]:
-    """Run one job's command with output to `job_dir/output.log`; returns and writes its row."""
+def run_child(cmd: list[str], job_dir: Path, job: int | str = "", overrides: str = "") -> dict[str, Any]:
+    """Run one job's command with output to `job_dir/output.log`; returns and writes its row (`overrides`:
+    the job's own, as the sweep's curves label it)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(job_dir / OUTPUT_FILE, "w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     output = (job_dir / OUTPUT_FILE).read_text(errors="replace")[-20000:]
     status, reason = classify(rc, output)
-    row: dict[str, Any] = {"job": job}
+    row: dict[str, Any] = {"job": job, "overrides": overrides}
     for name in ("run_info.json", "metrics.json"):
         if (job_dir / name).is_file():
             row.update(json.loads((job_dir / name).read_text()))
@@ -102,7 +104,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     cmd += [f"--config-dir={s.path}" for s in hc.runtime.config_sources if s.provider == "command-line"]
     cmd += list(hc.overrides.task)
     cmd += [f"hydra.run.dir='{job_dir}'", "hydra.output_subdir=null"]  # the parent already saved .hydra/
-    row = run_child(cmd, job_dir, job=hc.job.num)
+    row = run_child(cmd, job_dir, job=hc.job.num, overrides=" ".join(hc.overrides.task))
     log.info("job %s (%s): %s in %.0f s", hc.job.num, " ".join(hc.overrides.task), row["status"], row["wall_s"])
     return row
 
@@ -142,11 +144,17 @@ def write_table(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 class SweepTable(Callback):
-    """Hydra callback: at the end of a multirun, writes the sweep's results table (CSV and Markdown)."""
+    """Hydra callback: at the end of a multirun, writes the sweep's results table (CSV and Markdown) and
+    its curves (PNG)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_table(sweep_dir)
+        from megatrain_lightning.plot import plot_sweep
+
+        png = plot_sweep(sweep_dir, rows)  # None (with a one-line note) without matplotlib
+        if png is not None:
+            log.info("sweep: curves in %s", png)
         ok = sum(1 for r in rows if r.get("status") == "ok")
         log.info("sweep: %d of %d runs ok; table in %s\n%s", ok, len(rows), sweep_dir / "sweep_results.md",
                  (sweep_dir / "sweep_results.md").read_text())

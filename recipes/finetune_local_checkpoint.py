@@ -3,7 +3,7 @@
 
 With your own files:
     python recipes/finetune_local_checkpoint.py --checkpoint ~/models/Qwen2.5-7B --data metamathqa.jsonl \
-        hardware=h200 trainer.max_steps=1000
+        hardware=auto trainer.max_steps=1000
 which is the same run as
     python train.py experiment=finetune_jsonl model.pretrained=~/models/Qwen2.5-7B data.path=metamathqa.jsonl ...
 

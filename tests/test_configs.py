@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from megatrain_lightning import cli
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
+from megatrain_lightning.schema import check_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 YAMLS = sorted(p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml"))
@@ -69,7 +70,7 @@ def test_conf_tree_has_every_group_and_option() -> None:
     names = set(YAMLS)
     for group in ("model", "data", "hardware", "strategy", "trainer", "experiment"):
         assert any(n.startswith(f"{group}/") for n in names), group
-    for hw in ("gh200", "h200", "a100_pcie", "rtx3090", "cpu", "auto"):
+    for hw in ("gh200", "h200", "h200_126g", "a100_pcie", "rtx3090", "cpu", "auto"):
         assert f"hardware/{hw}.yaml" in names
     for s in ("megatrain", "single_device", "fsdp_cpu_offload", "deepspeed_zero3_offload"):
         assert f"strategy/{s}.yaml" in names
@@ -85,8 +86,8 @@ def test_every_yaml_composes_and_resolves(rel: str) -> None:
     cfg = compose_train(*over)
     if rel.endswith("default.yaml") and rel.startswith(("model/", "hardware/")):
         return  # abstract bases: their `???` fields are filled by the variants
-    if rel == "hardware/auto.yaml":
-        resolve_hardware(cfg)
+    resolve_hardware(cfg)
+    check_config(cfg)  # every value has the type its constructor's parameter declares
     own = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's node is Hydra's to resolve
     OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
 
@@ -171,3 +172,21 @@ def test_experiments_only_list_changes() -> None:
         if rel.startswith("experiment/"):
             text = (CONF / rel).read_text()
             assert text.splitlines()[0].startswith("# @package _global_"), rel
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.max_steps=abc", "trainer.max_steps='abc': expected an integer (Trainer's max_steps is int), e.g. trainer.max_steps=-1"),
+    ("trainer.precision=31", "trainer.precision=31: expected one of"),
+    ("model.lr=fast", "model.lr='fast': expected a number (CausalLM's lr is float), e.g. model.lr=0.0003"),
+    ("strategy.engine.slots=two", "strategy.engine.slots='two': expected an integer (EngineConfig's slots is int)"),
+    ("strategy.meta_init=maybe", "strategy.meta_init='maybe': expected true or false"),
+    ("data.batch_size=[1,2]", "data.batch_size=[1, 2]: expected an integer"),
+    ("+data.batch_sise=4", "data.batch_sise: ArithmeticDataModule has no parameter 'batch_sise' (did you mean data.batch_size?)"),
+    ("trainer.callbacks.checkpoint.mode=3", "trainer.callbacks.checkpoint.mode=3: expected a string (RunCheckpoint's mode is str)"),
+])
+def test_values_of_the_wrong_type_are_named_with_what_is_expected(override: str, message: str) -> None:
+    cfg = compose_train(override, "hardware=cpu")
+    resolve_hardware(cfg)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -52,7 +52,9 @@ def test_eval_rows_are_left_padded_prompts_with_eos_terminated_targets() -> None
 
 def test_long_answers_are_truncated_but_prompts_never() -> None:
     tok = ByteTokenizer()
-    assert len(encode_pair(tok, "q", "a" * 100, 10).answer) == 10 - 2
+    sample = encode_pair(tok, "q", "a" * 100, 10)
+    assert len(sample.ids) == len(sample.labels) == 10 and sample.labels[2:] == [ord("a")] * 8  # cut to 10 for training
+    assert len(sample.answer) == 101  # the reference of exact match stays whole
     with pytest.raises(ValueError, match="does not fit"):
         encode_pair(tok, "q" * 20, "a", 10)
 
@@ -76,7 +78,7 @@ def test_jsonl_and_json_array_in_metamathqa_format(tmp_path: Path) -> None:
     for name in ("a.jsonl", "b.json"):
         dm = JsonSFTDataModule(path=str(tmp_path / name), val_size=5, batch_size=4, max_length=512)
         dm.setup("fit")
-        assert len(dm.train_pairs) == 15 and len(dm.val_pairs) == 5
+        assert len(dm.train_samples) == 15 and len(dm.val_samples) == 5
         batch = next(iter(dm.train_dataloader()))
         row, labels = batch["input_ids"][0], batch["labels"][0]
         text = dm.tokenizer.decode(row.tolist())
@@ -118,3 +120,160 @@ def test_text_files_are_packed_into_full_rows(tmp_path: Path) -> None:
     assert torch.equal(batch["input_ids"], batch["labels"]) and batch["input_ids"].shape == (2, 16)
     with pytest.raises(ConfigError, match="does not exist"):
         PackedTextDataModule(path=str(tmp_path / "nowhere"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the formats fine-tuners bring, chat templates, packing, and bad files
+# ---------------------------------------------------------------------------------------------
+def _write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _supervised(tok, sample) -> str:
+    return tok.decode([t for t in sample.labels if t != IGNORE_INDEX], skip_special_tokens=False)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "The answer is: 4"},
+    {"role": "user", "content": "And times 3?"},
+    {"role": "assistant", "content": "12"},
+]
+
+
+def test_chat_template_supervises_every_assistant_turn_and_nothing_else() -> None:
+    from megatrain_lightning.data.chat import ChatEncoder
+    from megatrain_lightning.models.demo_checkpoint import byte_level_tokenizer
+
+    tok = byte_level_tokenizer(chat=True)
+    sample = ChatEncoder(tok).encode(CONVERSATION, max_length=512)
+    assert tok.decode(sample.ids, skip_special_tokens=False) == tok.apply_chat_template(CONVERSATION, tokenize=False).rstrip()
+    assert _supervised(tok, sample) == "The answer is: 4<|im_end|>12<|im_end|>"  # both turns, with their end-of-turn
+    # validation starts from the template's own generation prompt, and must reproduce the last turn
+    assert tok.decode(sample.prompt, skip_special_tokens=False) == tok.apply_chat_template(
+        CONVERSATION[:-1], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(sample.answer, skip_special_tokens=False) == "12<|im_end|>"
+    # without the template (or with a tokenizer that has none): the prompt template and <eos>
+    plain = ChatEncoder(tok, "Q: {query}\nA: ", use_chat_template=False).encode(CONVERSATION, max_length=512)
+    assert tok.decode(plain.ids, skip_special_tokens=False) == (
+        "<bos>Be brief.\n\nQ: What is 2+2?\nA: The answer is: 4<eos>Q: And times 3?\nA: 12<eos>")
+    assert _supervised(tok, plain) == "The answer is: 4<eos>12<eos>"
+    with pytest.raises(ConfigError, match="data.use_chat_template=true, but the tokenizer has no chat template"):
+        ChatEncoder(ByteTokenizer(), use_chat_template=True)
+
+
+def test_alpaca_sharegpt_and_messages_files_become_the_same_conversations(tmp_path: Path) -> None:
+    from megatrain_lightning.models.demo_checkpoint import byte_level_tokenizer
+
+    tok = byte_level_tokenizer(chat=True)
+    sharegpt = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                   "value": m["content"]} for m in CONVERSATION]}
+    files = {
+        "messages": _write_jsonl(tmp_path / "m.jsonl", [{"messages": CONVERSATION}] * 3),
+        "sharegpt": _write_jsonl(tmp_path / "s.jsonl", [sharegpt] * 3),
+    }
+    encoded = {}
+    for fmt, path in files.items():
+        dm = JsonSFTDataModule(path=str(path), val_size=1, batch_size=2, max_length=512, tokenizer=tok)
+        dm.setup("fit")
+        assert dm.encoder.uses_chat_template and len(dm.train_samples) == 2 and len(dm.val_samples) == 1
+        encoded[fmt] = dm.train_samples[0]
+    assert encoded["messages"] == encoded["sharegpt"]
+    alpaca = [{"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"},
+              {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    dm = JsonSFTDataModule(path=str(_write_jsonl(tmp_path / "a.jsonl", alpaca)), val_size=0, batch_size=1, max_length=512)
+    dm.setup("fit")  # the byte tokenizer has no chat template: the Alpaca/MetaMathQA prompt
+    with_input, without = (dm.tokenizer.decode(s.ids) for s in dm.train_samples)
+    assert "### Instruction:\nAdd the numbers.\n\n2 and 2\n\n### Response:\n4" in with_input
+    assert "### Instruction:\nSay hi.\n\n### Response:\nhi" in without
+    assert [_supervised(dm.tokenizer, s) for s in dm.train_samples] == ["4<eos>", "hi<eos>"]
+
+
+# name → (file text, fragments of the one-line ConfigError)
+BAD_FILES = {
+    "malformed line": ('{"query": "q", "response": "a"}\n{"query": "q2", "response": \n',
+                       ["bad.jsonl:2: not valid JSON", "fix or remove that line"]),
+    "unknown format": ('{"question": "q", "answer": "a"}\n',
+                       ["bad.jsonl:1: a record with keys [question, answer] matches none of the data formats",
+                        "metamath (query, response", "alpaca (instruction, input, output)", "messages (messages:",
+                        "sharegpt (conversations:", "data.query_key"]),
+    "format changes": ('{"query": "q", "response": "a"}\n\n{"instruction": "i", "output": "o"}\n',
+                       ["bad.jsonl:3: a record with keys [instruction, output] is not in the metamath"]),
+    "unknown role": ('{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]}\n',
+                     ["bad.jsonl:1: turn 1 has role='tool'"]),
+    "no assistant turn": ('{"messages": [{"role": "user", "content": "q"}]}\n', ["bad.jsonl:1: the conversation has no assistant turn"]),
+    "broken array": ('[\n {"query": "q", "response": "a"},\n {"query": "q2" "response": "a"}\n]\n', ["bad.jsonl:3: not valid JSON"]),
+    "empty file": ("\n", ["holds no records"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_files_name_the_file_line_and_fix(tmp_path: Path, case: str) -> None:
+    text, fragments = BAD_FILES[case]
+    (tmp_path / "bad.jsonl").write_text(text)
+    dm = JsonSFTDataModule(path=str(tmp_path / "bad.jsonl"), val_size=0)
+    with pytest.raises(ConfigError) as err:
+        dm.setup("fit")
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_sizes_are_checked_with_the_key_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data.batch_size=0: expected a positive integer"):
+        ArithmeticDataModule(batch_size=0)
+    with pytest.raises(ConfigError, match=r"data.max_length=-1"):
+        ArithmeticDataModule(max_length=-1)
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"query": "q", "response": "a"}] * 3)
+    dm = JsonSFTDataModule(path=str(path), val_size=0, batch_size=4)
+    with pytest.raises(ConfigError, match=r"data.batch_size=4 is more than the 3 training samples"):
+        dm.setup("fit")
+    dm = JsonSFTDataModule(path=str(path), val_size=0, batch_size=1, max_length=4)  # <bos> + the prompt: 60+ tokens
+    with pytest.raises(ConfigError, match=r"no training sample fits data.max_length=4"):
+        dm.setup("fit")
+
+
+def test_packing_fills_rows_restarts_positions_and_keeps_every_sample() -> None:
+    from megatrain_lightning.data.packing import pack
+
+    lengths = [9, 2, 7, 3, 5, 8, 1, 4]
+    rows = pack(lengths, 10)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 10 for r in rows) and len(rows) == 4  # 39 tokens: 4 rows is the least
+    with pytest.raises(ValueError, match="more than a row"):
+        pack([11], 10)
+
+    dm = ArithmeticDataModule(max_operand=20, num_val=20, batch_size=4, max_length=64, packing=True)
+    plain = ArithmeticDataModule(max_operand=20, num_val=20, batch_size=4, max_length=64)
+    dm.setup("fit")
+    plain.setup("fit")
+    assert sum(len(r) for r in dm.train_rows) == len(dm.train_samples) == len(plain.train_samples)
+    fill = [sum(len(s) for s in r) for r in dm.train_rows]
+    assert sum(f < 64 - 11 for f in fill) <= 1  # every row full but for less than one question, the last apart
+    batch = next(iter(dm.train_dataloader()))
+    ids, labels, pos, mask = batch["input_ids"], batch["labels"], batch["position_ids"], batch["attention_mask"]
+    width = ids.shape[1]  # the longest row of the batch, at most a row
+    assert ids.shape == labels.shape == pos.shape == (4, width) and width <= 64
+    tok = dm.tokenizer
+    for row in range(4):
+        starts = [int(i) for i in torch.nonzero(pos[row] == 0)]
+        real = int(mask[row].sum())
+        assert all(int(ids[row, s]) == tok.bos_token_id for s in starts if s < real)  # each sample from its <bos>
+        assert bool((labels[row, starts] == IGNORE_INDEX).all())  # no sample predicts the next one's start
+        questions = tok.decode(ids[row, :real].tolist())
+        assert questions.count("=") == len(starts) - (real < width)  # a question per run of positions, padding apart
+    assert sum(fill) / (len(fill) * 64) > 0.9
+
+
+def test_final_answers_are_extracted_as_math_evaluations_do() -> None:
+    from megatrain_lightning.data.answers import extract_answer, same_answer
+
+    assert extract_answer("2 + 2 = 4. The answer is: 4") == "4"
+    assert extract_answer("She has 1,200 apples.\n#### 1,200") == "1200"
+    assert extract_answer("so $x = \\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+    assert extract_answer("first 3, then 5, so 8.") == "8"
+    assert extract_answer(" Paris. ") == "Paris"
+    assert same_answer("The answer is: 18.0", "#### 18") and same_answer("x = -3", "-3")
+    assert not same_answer("The answer is: 17", "18") and not same_answer("201", "20")

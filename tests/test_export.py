@@ -354,3 +354,10 @@ def test_export_holds_about_one_shard_not_the_model(tmp_path: Path) -> None:
     params, rise = map(int, done.stdout.split())
     assert params * 4 > 200e6
     assert rise < 3 * 8 * 2**20, f"peak RSS rose by {rise / 1e6:.0f} MB exporting {params * 2 / 1e6:.0f} MB of bf16 weights"
+
+
+def test_callback_takes_the_dtype_by_name_as_a_yaml_config_gives_it(tmp_path: Path) -> None:
+    assert HFExport(tmp_path / "hf", dtype="bfloat16").dtype is torch.bfloat16
+    assert HFExport(tmp_path / "hf", dtype="torch.float16").dtype is torch.float16
+    with pytest.raises(ValueError, match="dtype=.int8.: expected a floating-point dtype name"):
+        HFExport(tmp_path / "hf", dtype="int8")

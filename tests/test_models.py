@@ -73,12 +73,18 @@ def test_batched_greedy_decoding_with_left_padding_equals_one_by_one() -> None:
         assert together[i].tolist() == alone[0].tolist()
 
 
-def test_exact_match_requires_every_answer_token_and_the_stop() -> None:
+def test_exact_match_compares_final_answers_up_to_the_stop() -> None:
     module = built()
-    target = torch.tensor([[50, 258, IGNORE_INDEX], [50, 48, 258], [50, 48, 258]])
-    preds = torch.tensor([[50, 258, 7], [50, 48, 7], [50, 49, 258]])  # right; no stop; wrong digit
-    module.exact_match.update(preds, target)
-    assert float(module.exact_match.compute()) == pytest.approx(1 / 3)
+    target = torch.tensor([[50, 258, IGNORE_INDEX, IGNORE_INDEX]] + [[50, 48, 258, IGNORE_INDEX]] * 3)  # "2", "20" x 3
+    preds = torch.tensor([
+        [50, 258, 55, 55],  # "2", then the stop: what follows it is not read
+        [50, 48, 49, 258],  # "201": no stop after the answer, a digit too many
+        [50, 49, 258, 258],  # "21": a wrong digit
+        [61, 32, 50, 48],  # "= 20": the same final number, worded differently
+    ])
+    assert module.answers_match(preds, target).tolist() == [1.0, 0.0, 0.0, 1.0]
+    module.exact_match.update(module.answers_match(preds, target))
+    assert float(module.exact_match.compute()) == pytest.approx(0.5)
 
 
 def test_flops_per_token_follows_the_formula() -> None:
@@ -168,3 +174,26 @@ def test_finetune_experiment_on_local_checkpoint_and_jsonl(tmp_path: Path) -> No
     assert metrics["model"] == "pretrained" and metrics["strategy"] == "megatrain" and metrics["steps"] == 3
     assert metrics["exact_match"] is not None and metrics["micro_batch"] == 8
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["steps"] == 3
+
+
+def test_finetune_on_packed_chat_data_exports_a_model_with_its_chat_template(tmp_path: Path) -> None:
+    """The practitioner's path: an instruct-style checkpoint (ChatML template), multi-turn OpenAI-format data,
+    packing, validation by exact match; the export loads with its tokenizer and template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = write_demo_checkpoint(tmp_path / "ckpt", chat=True)
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)},
+                          {"role": "user", "content": "and doubled?"}, {"role": "assistant", "content": str(2 * (a + b))}]}
+            for a in range(10) for b in range(10)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True, overrides=[
+            "experiment=finetune_jsonl", f"model.pretrained={ckpt}", f"data.path={tmp_path / 'chat.jsonl'}",
+            "hardware=cpu", "data.val_size=8", "data.packing=true", "data.max_length=128", "data.batch_size=4",
+            "trainer.max_steps=3", f"paths.output_dir={tmp_path / 'out'}"])
+    metrics = cli.train(cfg)
+    assert metrics["steps"] == 3 and metrics["exact_match"] is not None and metrics["val_loss"] > 0
+    assert metrics["seq_len"] <= 128 and metrics["micro_batch"] == 4
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(rows[0]["messages"], tokenize=False)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf").config.vocab_size == len(tok)

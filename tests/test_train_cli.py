@@ -42,7 +42,11 @@ def test_default_run_learns_arithmetic_in_under_two_minutes(tmp_path: Path) -> N
     shown = proc.stdout + proc.stderr
     for field in ("loss", "tokens/s", "TFLOPS"):  # on the progress bar
         assert field in shown, field
-    assert (metrics_file.parent / "logs" / "metrics.csv").is_file()  # the CSV logger's per-step log
+    run_dir = metrics_file.parent
+    assert (run_dir / "logs" / "metrics.csv").is_file()  # the CSV logger's per-step log
+    assert f"run directory: {run_dir.resolve()}" in proc.stdout  # says where it all is
+    for left in ("hf/config.json", "hf/model.safetensors", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "curves.png"):
+        assert (run_dir / left).is_file() and (run_dir / left).stat().st_size > 0, left
     assert wall < 120, f"the default run took {wall:.0f} s (budget: 2 minutes on 2 cores)"
 
 
@@ -69,6 +73,8 @@ def test_multirun_tabulates_every_run_including_a_failed_one(tmp_path: Path) -> 
     table = (sweep_dir / "sweep_results.md").read_text().splitlines()
     assert len(table) == 4 and "tokens/s" in table[0] and "| ok |" in table[2] and "error: " in table[3]
     assert (sweep_dir / "0" / "metrics.json").is_file() and not (sweep_dir / "1" / "metrics.json").exists()
+    png = sweep_dir / "sweep_curves.png"  # the runs side by side
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 
 # name → (overrides, fragments the one-line message must contain)
@@ -85,6 +91,15 @@ BAD_INPUT = {
         ["model.pretrained=/nonexistent/checkpoint"],
         ["error: model.pretrained=/nonexistent/checkpoint does not exist"],
     ),
+    "malformed jsonl line": (["data=jsonl", "data.path=bad.jsonl"], ["error: bad.jsonl:2: not valid JSON", "fix or remove that line"]),
+    "unknown data format": (
+        ["data=jsonl", "data.path=unknown.jsonl"],
+        ["error: unknown.jsonl:1: a record with keys [question, answer] matches none of the data formats",
+         "metamath (query, response", "alpaca (instruction, input, output)", "sharegpt", "data.query_key"],
+    ),
+    "zero batch size": (["data.batch_size=0"], ["error: data.batch_size=0: expected a positive integer"]),
+    "max_steps not a number": (["trainer.max_steps=abc"], ["error: trainer.max_steps='abc': expected an integer", "trainer.max_steps=-1"]),
+    "misspelt trainer key": (["+trainer.max_step=5"], ["error: trainer.max_step: Trainer has no parameter 'max_step'", "did you mean trainer.max_steps?"]),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],
         ["error: model=qwen2_5_72b (72.71 B parameters) needs", "899.5 GB of host memory", "hardware=cpu has 32 GB"],
@@ -104,6 +119,8 @@ if importlib.util.find_spec("deepspeed") is None:
 def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
     """All bad-input runs at once: each is mostly interpreter start-up, so they overlap well."""
     cwd = tmp_path_factory.mktemp("bad_input")
+    (cwd / "bad.jsonl").write_text('{"query": "q", "response": "a"}\n{"query": "q2", "response": \n')
+    (cwd / "unknown.jsonl").write_text('{"question": "q", "answer": "a"}\n')
     started = time.perf_counter()
     def limit_memory() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
@@ -129,6 +146,10 @@ def test_bad_input_gives_one_clear_message_and_nonzero_exit(case: str, bad_input
     assert "Traceback" not in shown, shown[-4000:]
     for fragment in BAD_INPUT[case][1]:
         assert fragment in shown, f"{fragment!r} not in:\n{shown[-2000:]}"
+    if not case.startswith("unknown ") or case == "unknown data format":  # Hydra's own: exit 1, its own words
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1, shown[-2000:]  # one paragraph, one line
+        assert all(fragment in errors[0] for fragment in BAD_INPUT[case][1] if fragment.startswith("error: "))
 
 
 def test_too_big_model_is_refused_before_allocation(bad_input_runs: dict) -> None:
@@ -137,3 +158,91 @@ def test_too_big_model_is_refused_before_allocation(bad_input_runs: dict) -> Non
     proc, elapsed = bad_input_runs["too big for host memory"]
     assert proc.returncode == 2 and "MemoryError" not in proc.stderr
     assert elapsed < 120
+
+
+def test_a_run_leaves_a_loadable_model_checkpoints_curves_and_says_where(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """What a fine-tuner takes away from a run: `hf/` that from_pretrained loads (the final weights), last and
+    best checkpoints, per-step learning rate and validation loss, a loss curve, and the directory printed."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_lightning import cli
+
+    out = tmp_path / "run"
+    with initialize_config_dir(config_dir=str(TRAIN.parent / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True, overrides=[
+            "hardware=cpu", "trainer.max_steps=25", "trainer.val_check_interval=10", "data.num_val=16",
+            "trainer.log_every_n_steps=5", "trainer.callbacks.summary.last_n=10", f"paths.output_dir={out}"])
+    metrics = cli.train(cfg)
+    shown = capsys.readouterr().out
+    assert f"run directory: {out.resolve()}" in shown and "from_pretrained" in shown
+
+    # the export holds the final weights: those of last.ckpt, saved after step 25 (the last validation was at 20)
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 25 and metrics["steps"] == 25
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    exported = model.state_dict()
+    for key, value in state["state_dict"].items():
+        assert torch.equal(exported[key.removeprefix("model.")], value), key
+    assert (out / "checkpoints" / "best.ckpt").is_file() and metrics["best_checkpoint"].endswith("best.ckpt")
+    assert torch.load(out / "checkpoints" / "best.ckpt", weights_only=False)["global_step"] in (10, 20)
+
+    with open(out / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert any(r.get("lr-AdamW") for r in rows) and sum(1 for r in rows if r.get("val/loss")) == 3 + 1  # 0, 10, 20, 25
+    png = out / "curves.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert metrics["curves_png"] == str(png.resolve()) and metrics["hf_dir"] == str((out / "hf").resolve())
+    # metrics.json: the loss over the run, not the last batch, and the validation loss of the final weights
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["train_loss_mean_all_batches"] > saved["train_loss_mean_last_10_batches"] > 0
+    assert "loss" not in saved and saved["val_loss"] > 0 and saved["exact_match"] is not None
+
+
+def test_curves_without_matplotlib_are_a_one_line_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import importlib.util as iu
+
+    from megatrain_lightning import plot
+
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with caplog.at_level("INFO", logger="megatrain_lightning.plot"):
+        assert plot.plot_run(tmp_path) is None and plot.plot_sweep(tmp_path, []) is None
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2 and all("matplotlib is not installed" in n and "\n" not in n for n in notes)
+
+
+def test_sweep_curves_compare_the_runs(tmp_path: Path) -> None:
+    from megatrain_lightning.plot import SWEEP_PNG, plot_sweep
+
+    rows = []
+    for job, (model, speed) in enumerate([("tiny", 900.0), ("qwen2_5_0_5b", 300.0), ("qwen2_5_7b", None)]):
+        (tmp_path / str(job) / "logs").mkdir(parents=True)
+        if speed is not None:  # the third run failed: no log, a zero bar
+            lines = ["step,loss,val/exact_match"] + [f"{s},{3.0 / (1 + s + job)},{'' if s % 5 else s / 20}" for s in range(20)]
+            (tmp_path / str(job) / "logs" / "metrics.csv").write_text("\n".join(lines) + "\n")
+        rows.append({"job": job, "model": model, "strategy": "megatrain", "tokens_per_s": speed})
+    png = plot_sweep(tmp_path, rows)
+    assert png == tmp_path / SWEEP_PNG and png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+
+
+def test_without_validation_last_checkpoint_and_export_and_random_tokens_save_nothing(tmp_path: Path) -> None:
+    """Continued pre-training on text (no validation): last.ckpt and hf/, no best.ckpt. Synthetic throughput
+    data: neither (a 7B throughput run would write 120 GB of training state for random tokens)."""
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning import cli
+
+    (tmp_path / "corpus.txt").write_text("hello world, this is some text. " * 200)
+    runs = {}
+    for name, data in (("text", ["data=text", f"data.path={tmp_path / 'corpus.txt'}"]), ("synthetic", ["data=synthetic"])):
+        with initialize_config_dir(config_dir=str(TRAIN.parent / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", return_hydra_config=True, overrides=[
+                *data, "hardware=cpu", "data.seq_len=32", "trainer.max_steps=3", f"paths.output_dir={tmp_path / name}"])
+        runs[name] = cli.train(cfg)
+    text, synthetic = runs["text"], runs["synthetic"]
+    assert text["exact_match"] is None and text["best_checkpoint"] is None and text["last_checkpoint"].endswith("last.ckpt")
+    assert (tmp_path / "text" / "hf" / "model.safetensors").is_file()
+    assert synthetic["hf_dir"] is None and synthetic["last_checkpoint"] is None
+    assert not (tmp_path / "synthetic" / "hf").exists() and not (tmp_path / "synthetic" / "checkpoints").exists()

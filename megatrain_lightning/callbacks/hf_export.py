@@ -42,8 +42,8 @@ class HFExport(pl.Callback):
             Each export reads every weight once and writes it to disk, so on a large model keep it
             to what the disk bandwidth affords.
         on_train_end: export when training ends.
-        dtype: floating-point dtype stored (e.g. `torch.bfloat16`: half the disk of fp32 weights);
-            None keeps the training dtype.
+        dtype: floating-point dtype stored (e.g. `torch.bfloat16`, or its name `"bfloat16"` as a YAML config
+            gives it: half the disk of fp32 weights); None keeps the training dtype.
         max_shard_bytes: largest shard file; it also bounds the host memory the export adds.
         tokenizer: saved next to the weights; None takes the module's `tokenizer` attribute when it
             has `save_pretrained` (a transformers tokenizer), else writes none.
@@ -54,11 +54,16 @@ class HFExport(pl.Callback):
         dirpath: str | Path,
         every_n_epochs: int | None = None,
         on_train_end: bool = True,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         max_shard_bytes: int = 2 * 2**30,
         tokenizer: Any | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(named, torch.dtype) or not named.is_floating_point:
+                raise ExportError(f"dtype={dtype!r}: expected a floating-point dtype name (bfloat16, float16, float32) or None")
+            dtype = named
         if every_n_epochs is not None and (isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0):
             raise ExportError(f"every_n_epochs={every_n_epochs!r}: expected a non-negative integer or None")
         self.dirpath = Path(dirpath)
@@ -70,9 +75,10 @@ class HFExport(pl.Callback):
         self.last_exported_step: int | None = None
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            find_hf_model(pl_module)  # fail before training, not after it
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Fail before training, not after it; not in `setup`, which Lightning calls before `configure_model`
+        # (where a module may create its Hugging Face model).
+        find_hf_model(pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

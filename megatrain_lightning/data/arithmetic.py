@@ -14,6 +14,7 @@ from typing import Any
 from typing_extensions import override
 
 from megatrain_lightning.data.qa_datamodule import QADataModule
+from megatrain_lightning.errors import ConfigError
 
 
 class ArithmeticDataModule(QADataModule):
@@ -28,6 +29,7 @@ class ArithmeticDataModule(QADataModule):
         batch_size: training rows per step; rows are about 10 tokens.
         val_batch_size: rows per greedy-decoding batch.
         max_length: longest row in tokens (the task's rows are shorter).
+        packing: several questions per row of `max_length` tokens (see `QADataModule`).
         num_workers: DataLoader workers; 0 is fastest for data this small.
     """
 
@@ -40,15 +42,16 @@ class ArithmeticDataModule(QADataModule):
         batch_size: int = 64,
         val_batch_size: int = 200,
         max_length: int = 16,
+        packing: bool = False,
         num_workers: int = 0,
     ) -> None:
         super().__init__(
-            tokenizer=tokenizer, batch_size=batch_size, val_batch_size=val_batch_size,
-            max_length=max_length, prompt_template="{query}", num_workers=num_workers,
+            tokenizer=tokenizer, batch_size=batch_size, val_batch_size=val_batch_size, max_length=max_length,
+            prompt_template="{query}", use_chat_template=False, packing=packing, num_workers=num_workers,
         )
         n = (max_operand + 1) ** 2
         if not 0 < num_val < n:
-            raise ValueError(f"num_val={num_val} must be between 1 and {n - 1} for max_operand={max_operand}")
+            raise ConfigError(f"data.num_val={num_val} must be between 1 and {n - 1} for data.max_operand={max_operand}")
         self.max_operand = max_operand
         self.num_val = num_val
         self.seed = seed

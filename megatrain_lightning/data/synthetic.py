@@ -29,6 +29,9 @@ class SyntheticDataModule(pl.LightningDataModule):
     The loss is meaningless; the point is a step whose cost is exactly `batch_size * seq_len`
     tokens, for tokens/s and TFLOPS that compare across strategies and models. No validation.
 
+    Random tokens teach nothing, so `train.py` keeps no checkpoint and no Hugging Face export of a run on
+    them (`saves_model`): a throughput run of a 7B model would otherwise write 120 GB of training state.
+
     Args:
         seq_len: tokens per row (the T of the FLOPs formula).
         batch_size: rows per step.
@@ -38,6 +41,8 @@ class SyntheticDataModule(pl.LightningDataModule):
         seed: the token stream.
         tokenizer: only consulted for its size when `vocab_size` is None.
     """
+
+    saves_model = False  # read by train(): nothing worth keeping is learnt from random tokens
 
     def __init__(
         self,

@@ -1,8 +1,10 @@
 """A LightningModule around any Hugging Face causal LM: the model every config in conf/model/ builds.
 
 Training is causal-LM cross-entropy over the tokens whose label is not -100 (answers, not prompts
-or padding). Validation greedily decodes each held-out question's answer and scores exact match
-with torchmetrics. The network itself is created in `configure_model`, inside the strategy's
+or padding); packed rows come with `position_ids` that restart per sample, from which block-diagonal
+masks confine attention to each sample (`packed_inputs`). Validation logs the loss on the held-out samples (`val/loss`) and greedily decodes each
+held-out question's answer, scoring exact match on the final answer (`val/exact_match`, see
+`data/answers.py`: MetaMathQA's "The answer is:", GSM8K's "####", else the last number). The network itself is created in `configure_model`, inside the strategy's
 init context, so a strategy decides where its weights live; the constructor only builds a meta-device
 copy to count parameters (which the fit check and the TFLOPS figure need before any allocation).
 """
@@ -16,9 +18,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torchmetrics.classification import MulticlassExactMatch
+from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from megatrain_lightning.data.answers import same_answer
 from megatrain_lightning.data.sft_batch import IGNORE_INDEX
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.models.build import hf_config, load_pretrained, materialize, meta_model, pretrained_config
@@ -27,6 +30,43 @@ from megatrain_lightning.models.model_shape import ModelShape
 from megatrain_lightning.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def packed_inputs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """Model kwargs (and labels) that keep each sample of packed rows to itself.
+
+    `position_ids` restart at 0 for each sample. Flash-attention (varlen) takes the rows as one row whose
+    position ids restart per sample, and derives the sample boundaries itself. Every other kernel gets
+    the block-diagonal causal masks built by transformers' own mask functions (from the same position
+    ids: SDPA a [B, 1, T, T] bool mask, eager a float one, flex a BlockMask), and the sliding-window one
+    as well where the model has sliding layers; they cost B x T x T elements each, and SDPA runs its
+    masked kernel instead of the plain causal one. Models that build one mask per layer type (`layer_types`
+    in the config: Qwen2/3, GPT-OSS) take them as a mapping, the others (Llama, Mistral) as one tensor.
+    Labels: the flattened row's are the same set of targets (each sample's first label is already -100).
+    """
+    config = model.config
+    impl = str(getattr(config, "_attn_implementation", "") or "")
+    if impl.startswith("flash_attention"):
+        return {"input_ids": input_ids.reshape(1, -1), "position_ids": position_ids.reshape(1, -1)}, labels.reshape(1, -1)
+    try:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    except ImportError:
+        import transformers
+
+        raise ConfigError(f"data.packing=true needs transformers >= 4.56 (masks from position ids); this is "
+                          f"{transformers.__version__}: upgrade it or set data.packing=false") from None
+    dtype = model.get_input_embeddings().weight.dtype  # what transformers derives an eager mask's fill from
+    shape_only = torch.empty((*input_ids.shape, 0), dtype=dtype, device=input_ids.device)  # [B, T, 0]
+    kwargs = dict(config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, position_ids=position_ids)
+    full = create_causal_mask(**kwargs)
+    sliding = create_sliding_window_causal_mask(**kwargs) if getattr(config, "sliding_window", None) else None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        mask: Any = {t: sliding if t == "sliding_attention" else full for t in set(layer_types)}
+    else:
+        mask = sliding if sliding is not None else full
+    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask}, labels
 
 
 class CausalLM(pl.LightningModule):
@@ -87,7 +127,7 @@ class CausalLM(pl.LightningModule):
         # by configure_model, so a random-init model is constructed exactly once.
         self.__dict__["_meta_model"] = meta
         self.model: torch.nn.Module | None = None
-        self.exact_match = MulticlassExactMatch(num_classes=vocab, ignore_index=IGNORE_INDEX)
+        self.exact_match = MeanMetric()  # of 0/1 per held-out sample
 
     def _attn_impl(self) -> str | None:
         impl = self.hparams.attn_implementation
@@ -115,18 +155,26 @@ class CausalLM(pl.LightningModule):
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         return self.model(input_ids=input_ids, **kwargs)
 
-    def causal_lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of each next token whose label is not -100."""
+    def causal_lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy of each next token whose label is not -100.
+
+        `position_ids` (packed rows): restarting at 0 for each sample, they confine attention to each
+        sample (`packed_inputs`).
+        """
         # Rows are right-padded: under the causal mask no real token sees a pad, so no attention mask
         # is passed (and SDPA keeps its causal fast path); pads and prompts are out of the loss via labels.
+        kwargs: dict[str, Any] = {"input_ids": input_ids}
+        if position_ids is not None:
+            kwargs, labels = packed_inputs(self.model, input_ids, labels, position_ids)
         targets = labels[:, 1:].reshape(-1)  # [B*(T-1)]: position t predicts token t+1
         chunk = self.hparams.loss_chunk_tokens
         if chunk is None or targets.numel() <= chunk:
-            logits = self.model(input_ids=input_ids).logits  # [B, T, V]
+            logits = self.model(**kwargs).logits  # [B, T, V]
             return F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX
             )
-        hidden = self.model.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+        hidden = self.model.get_decoder()(**kwargs).last_hidden_state[:, :-1]  # [B, T-1, D]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         head = self.model.get_output_embeddings()
 
@@ -141,20 +189,23 @@ class CausalLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.causal_lm_loss(batch["input_ids"], batch["labels"])
+        loss = self.causal_lm_loss(batch["input_ids"], batch["labels"], batch.get("position_ids"))
         self.log("loss", loss, prog_bar=True)
         return loss
 
     @torch.no_grad()
-    def greedy_decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """`new_tokens` greedy continuations of left-padded prompts: [batch, new_tokens].
+    def greedy_decode(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int,
+                      stop_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to `new_tokens` greedy continuations of left-padded prompts: [batch, <= new_tokens].
 
-        No KV cache: every step re-runs the whole (short) sequence. Quadratic in the answer length,
-        and fine for validation answers of a few dozen tokens; it also means no cache state for a
-        streaming strategy to manage.
+        With `stop_ids`, decoding ends early once every row has produced one of them (a host sync per
+        token; what follows a row's stop is left as generated). No KV cache: every step re-runs the whole
+        (short) sequence. Quadratic in the answer length, and fine for validation answers of a few dozen
+        tokens; it also means no cache state for a streaming strategy to manage.
         """
         ids, mask = prompt_ids, prompt_mask
         padded = not bool(mask.all())  # a host sync, once per batch: lets unpadded batches skip the mask
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         out = []
         for _ in range(new_tokens):
             kwargs: dict[str, Any] = {}
@@ -163,16 +214,45 @@ class CausalLM(pl.LightningModule):
             logits = self.model(input_ids=ids, logits_to_keep=1, **kwargs).logits[:, -1]  # [B, V]
             nxt = logits.argmax(-1)
             out.append(nxt)
+            if stop_ids is not None:
+                done |= torch.isin(nxt, stop_ids)
+                if bool(done.all()):  # host sync: once per generated token
+                    break
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
         return torch.stack(out, dim=1)
 
+    def answers_match(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per row, whether the decoded prediction (up to its first stop token) has the target's final answer.
+
+        The stop tokens are `<eos>` and the last token of each target (the chat template's end-of-turn).
+        """
+        stops = {int(self.tokenizer.eos_token_id)}
+        refs = []
+        for row in target.tolist():
+            row = [t for t in row if t != IGNORE_INDEX]
+            stops.add(row[-1])
+            refs.append(row)
+        hits = []
+        for pred, ref in zip(preds.tolist(), refs):
+            cut = next((i for i, t in enumerate(pred) if t in stops), len(pred))
+            text = self.tokenizer.decode(pred[:cut], skip_special_tokens=True)
+            hits.append(same_answer(text, self.tokenizer.decode(ref, skip_special_tokens=True)))
+        return torch.tensor(hits, dtype=torch.float32)
+
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        target = batch["target_ids"]  # [B, A]: answer + <eos>, -100 past its end
-        preds = self.greedy_decode(batch["prompt_ids"], batch["prompt_mask"], target.shape[1])
-        self.exact_match.update(preds.to(self.exact_match.device), target.to(self.exact_match.device))
-        self.log("val/exact_match", self.exact_match, prog_bar=True, batch_size=target.shape[0])
+        target = batch["target_ids"]  # [B, A]: answer + <eos> (or end-of-turn), -100 past its end
+        rows = target.shape[0]
+        if "labels" in batch:
+            loss = self.causal_lm_loss(batch["input_ids"], batch["labels"])
+            self.log("val/loss", loss, prog_bar=False, batch_size=rows)
+        last = (target != IGNORE_INDEX).sum(1) - 1
+        stop_ids = torch.unique(torch.cat([target[torch.arange(rows), last],
+                                           torch.tensor([self.tokenizer.eos_token_id], device=target.device)]))
+        preds = self.greedy_decode(batch["prompt_ids"], batch["prompt_mask"], target.shape[1], stop_ids)
+        self.exact_match.update(self.answers_match(preds, target).to(self.exact_match.device))
+        self.log("val/exact_match", self.exact_match, prog_bar=True, batch_size=rows)
 
     @override
     def configure_optimizers(self) -> Any:

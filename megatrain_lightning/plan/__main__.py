@@ -1,7 +1,7 @@
 """``python -m megatrain_lightning.plan model=... hardware=... [key=value ...]``: print the plan.
 
 Composes the training config from the packaged ``conf/`` (as ``train.py`` would; ``data=synthetic`` unless
-a data option is given, so ``data.batch_size`` and ``data.seq_len`` are the micro-batch shape) and prints
+a data option or an experiment is given, so ``data.batch_size`` and ``data.seq_len`` are the micro-batch shape) and prints
 the verdict and the table. Exit 2 with one paragraph when it does not fit or an override is wrong.
 """
 
@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import format_plan, plan_from_config
 
     args = list(sys.argv[1:] if argv is None else argv)
-    overrides = ([] if any(a.startswith("data=") for a in args) else ["data=synthetic"]) + args
+    # An experiment's own data choice stands: a command-line data=synthetic would replace it.
+    overrides = ([] if any(a.startswith(("data=", "experiment=")) for a in args) else ["data=synthetic"]) + args
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)

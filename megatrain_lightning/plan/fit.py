@@ -108,7 +108,7 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
             model, shape.total_params, host_total, hw,
             f"{state / GB:,.1f} GB of master, gradient and AdamW state at {state / shape.total_params:.1f} "
             f"B/param, {(host_total - state) / GB:.1f} GB staging and process",
-            compact_fix=run.engine.host_state != "compact",
+            compact_need=compact_host_bytes(shape, run),
         )
     pinned = pinned_bytes(shape, run)
     pinned_ok = hw.accelerator == "cuda" and pinned <= hw.pinned_budget_gb * GB
@@ -130,6 +130,34 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
     )
 
 
+def compact_host_bytes(shape: PlanShape, run: Run) -> float | None:
+    """Host bytes of the same run with ``host_state="compact"``; None when it already is."""
+    if run.engine.host_state == "compact":
+        return None
+    return sum(host_bytes(shape, run.replace(host_state="compact")).values())
+
+
+def ways_to_fit(plan: Plan) -> list[str]:
+    """The changes, each on its own, that make a plan that does not fit fit (none when it fits)."""
+    ways = []
+    if plan.host_total > plan.host_available:
+        compact = compact_host_bytes(plan.shape, plan.run)
+        if compact is not None and compact <= plan.host_available:
+            ways.append(f"strategy.engine.host_state=compact ({compact / GB:,.1f} GB of host memory)")
+        ways.append(f"a host with {plan.host_total / GB:,.0f} GB or more (hardware.host_memory_gb=... if the profile "
+                    "understates this machine)")
+    if plan.gpu_total > plan.gpu_available:
+        w = plan.run.work
+        if plan.max_micro_batch:
+            ways.append(f"data.batch_size={plan.max_micro_batch} (or less) at seq {w.seq_len}, with "
+                        "trainer.accumulate_grad_batches for the tokens per step")
+        if plan.max_seq_len:
+            ways.append(f"sequences of {plan.max_seq_len} tokens (or fewer) at micro-batch {w.micro_batch}")
+        if not plan.max_micro_batch and not plan.max_seq_len:
+            ways.append("a device with more memory, or fewer strategy.engine.slots")
+    return ways
+
+
 def device_shortfall(model: str, run: Run, need: float, available: float, hw: HardwareProfile, max_mb: int,
                      max_seq: int, gpu: dict[str, float]) -> str:
     """What to change when the device peak does not fit, in one paragraph."""
@@ -148,13 +176,22 @@ def device_shortfall(model: str, run: Run, need: float, available: float, hw: Ha
 
 
 def refuse_host_memory(model: str, num_params: int, need: float, hw: HardwareProfile, what: str,
-                       compact_fix: bool = False) -> None:
-    """The one host fit refusal: a ConfigError with the numbers and what to change."""
+                       compact_need: float | None = None) -> None:
+    """The one host fit refusal: a ConfigError with the numbers and what to change. ``compact_need``: the host
+    bytes with ``host_state=compact`` (None: not an option, or already chosen)."""
+    available = hw.host_memory_gb * GB
+    if compact_need is not None and compact_need <= available:
+        first = (f"set strategy.engine.host_state=compact, which needs {compact_need / GB:,.1f} GB and fits "
+                 f"(4 B/param less; docs/compact_state.md), or choose a smaller model")
+    elif compact_need is not None:
+        first = (f"choose a smaller model (strategy.engine.host_state=compact is not enough: it still needs "
+                 f"{compact_need / GB:,.1f} GB)")
+    else:
+        first = "choose a smaller model"
     raise ConfigError(
         f"model={model} ({num_params / 1e9:.2f} B parameters) needs {need / GB:,.1f} GB of host memory ({what}), "
-        f"but hardware={hw.name} has {hw.host_memory_gb:,.0f} GB: choose a smaller model"
-        + (", strategy.engine.host_state=compact (4 B/param less)" if compact_fix else "")
-        + " or a profile with more host memory (or set hardware.host_memory_gb if the profile is wrong for this machine)"
+        f"but hardware={hw.name} has {hw.host_memory_gb:,.0f} GB: {first}, or a host with {need / GB:,.0f} GB or "
+        f"more (set hardware.host_memory_gb if the profile is wrong for this machine)"
     )
 
 

@@ -36,6 +36,9 @@ def workload(cfg: Any, bf16: bool) -> Workload:
     seq_len = data.get("seq_len") or data.get("max_length")
     if not seq_len:
         raise ConfigError("data has no seq_len (or max_length): the plan needs the tokens per row")
+    for key, value in (("batch_size", data.batch_size), ("seq_len" if data.get("seq_len") else "max_length", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"data.{key}={value!r}: expected a positive integer (e.g. data.{key}=8)")
     return Workload(
         micro_batch=int(data.batch_size),
         seq_len=int(seq_len),

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from .experts import plan_note
-from .fit import Plan
+from .fit import Plan, ways_to_fit
 from .memory import GB, GIB
 from .timing import MATMUL_EFFICIENCY
 
 
 def verdict(plan: Plan) -> str:
-    """Fits or not, the predicted step and what bounds it, in one line."""
+    """Fits or not, the predicted step and what bounds it, and what to change when it does not fit, in one line."""
     host = f"host {plan.host_total / GB:,.1f} of {plan.host_available / GB:,.0f} GB"
     gpu = f"GPU {plan.gpu_total / GB:,.1f} of {plan.gpu_available / GB:,.1f} GB"
     fits = "fits" if plan.fits else "does NOT fit"
-    return (f"verdict: {fits} ({host}, {gpu}); predicted {plan.step_s:.3f} s/step, {plan.tokens_per_s:,.0f} "
-            f"tokens/s, bound by {plan.bottleneck}")
+    line = (f"verdict: {fits} on hardware={plan.hardware} ({host}, {gpu}); predicted {plan.step_s:.3f} s/step, "
+            f"{plan.tokens_per_s:,.0f} tokens/s, bound by {plan.bottleneck}")
+    ways = ways_to_fit(plan)
+    return line + (f"; to fit, any of: {'; '.join(ways)}" if ways else "")
 
 
 def format_plan(plan: Plan) -> str:

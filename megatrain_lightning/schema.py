@@ -1,0 +1,146 @@
+"""Check a composed config against the typed constructors it names, before anything is built.
+
+The configs have no schema of their own: each node's ``_target_`` is a real class or function, and its
+signature is the schema (DESIGN.md section 7). This walks every node with a ``_target_`` and compares
+each value with the annotation of the parameter it goes to, for the annotations that say something a
+YAML value can be checked against (int, float, bool, str, None, ``Literal``, and unions of those), so
+that ``trainer.max_steps=abc`` reads as one line naming the key and what it expects, not as a traceback
+from deep inside Lightning. A key that the target does not take is refused the same way. Values it
+cannot judge (classes, containers, ``Any``) are left to the constructor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import typing
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatrain_lightning.errors import ConfigError
+
+_SIMPLE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+
+
+def _arms(annotation: Any) -> list[Any] | None:
+    """The simple types (or Literal values, as tuples) an annotation allows; None when it allows anything else."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or (origin is not None and getattr(origin, "__name__", "") == "UnionType"):
+        arms: list[Any] = []
+        for a in typing.get_args(annotation):
+            sub = _arms(a)
+            if sub is None:
+                return None
+            arms += sub
+        return arms
+    if origin is typing.Literal:
+        return [tuple(typing.get_args(annotation))]
+    if annotation in _SIMPLE:
+        return [annotation]
+    import types
+
+    if isinstance(annotation, types.UnionType):
+        return _arms(typing.Union[tuple(annotation.__args__)])  # `int | None` written with `|`
+    return None
+
+
+def _matches(value: Any, arm: Any) -> bool:
+    if isinstance(arm, tuple):  # Literal
+        return any(value == v and type(value) is type(v) for v in arm)
+    if arm is bool:
+        return isinstance(value, bool)
+    if arm is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if arm is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if arm is type(None):
+        return value is None
+    return isinstance(value, arm)
+
+
+def _expected(arms: list[Any]) -> str:
+    words = []
+    for arm in arms:
+        words.append("one of " + ", ".join(map(repr, arm)) if isinstance(arm, tuple) else _SIMPLE[arm])
+    return " or ".join(dict.fromkeys(words))
+
+
+def _signature(target: str) -> tuple[str, inspect.Signature, dict[str, Any]] | None:
+    try:
+        obj = get_object(target)
+    except Exception:
+        return None  # an unimportable target: instantiate says so in its own words
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve here: check none of this target's values
+        hints = {}
+    return getattr(obj, "__qualname__", target), sig, hints
+
+
+def check_node(node: DictConfig, key: str) -> None:
+    """Check ``node`` (at ``key``, e.g. ``trainer``) and the nodes with a ``_target_`` inside it."""
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    found = _signature(str(target)) if target else None
+    for name in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        full = f"{key}.{name}"
+        if isinstance(name, str) and name.startswith("_"):
+            continue
+        if OmegaConf.is_missing(node, name):
+            continue  # `???`: train() says which value to set
+        try:
+            value = node[name]
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{full}: {str(err).splitlines()[0]}") from None
+        if found is None:
+            if isinstance(value, (DictConfig, ListConfig)):
+                check_node(value, full)
+            continue
+        qualname, sig, hints = found
+        params = sig.parameters
+        if name not in params:
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                names = [p for p in params if p not in ("self", "args", "kwargs")]
+                close = difflib.get_close_matches(str(name), names, n=1)
+                hint = f"did you mean {key}.{close[0]}?" if close else f"it takes: {', '.join(names)}"
+                raise ConfigError(f"{full}: {qualname} has no parameter {name!r} ({hint})")
+            continue
+        arms = _arms(hints.get(name, inspect.Parameter.empty))
+        plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        if arms and not any(_matches(plain, a) for a in arms):
+            example = params[name].default
+            raise ConfigError(
+                f"{full}={_yaml(plain)}: expected {_expected(arms)} ({qualname}'s {name} is {_describe(hints[name])})"
+                + (f", e.g. {full}={_yaml(example)}" if example is not inspect.Parameter.empty else "")
+            )
+        if isinstance(value, (DictConfig, ListConfig)):
+            check_node(value, full)
+
+
+def _yaml(value: Any) -> str:
+    """A value as one would type it after `key=` (null, true, 3e-4, 'a string')."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _describe(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def check_config(cfg: DictConfig, groups: tuple[str, ...] = ("hardware", "trainer", "data", "model", "strategy")) -> None:
+    """Type-check the config groups of a composed training config (ConfigError on the first problem). The
+    order matters where one value is interpolated into another (`model.decay_steps: ${trainer.max_steps}`):
+    the key a user set is the one named."""
+    for group in groups:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            check_node(node, group)
