@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import EngineConfig, grad_buffers_for
 from ..errors import ConfigError
@@ -40,7 +41,9 @@ class Plan:
     step_s: float
     bottleneck: str
     max_micro_batch: int  # at the run's seq_len
-    max_seq_len: int  # at the run's micro-batch
+    max_seq_len: int  # at the run's micro-batch (device and host memory)
+    needs_offload: int | None = None  # the fewest offload_inputs blocks this shape fits with (None: none fits)
+    longest: Any = None  # plan.context.Context: the longest sequence at this micro-batch, offloading what it must
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,31 +68,46 @@ def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: Hardware
     return Run(work, engine, **older)
 
 
-def _fits_device(shape: PlanShape, run: Run, available: float) -> bool:
-    return gpu_peak(gpu_bytes(shape, run)) <= available
+def fits_memory(shape: PlanShape, run: Run, available: float, host_available: float | None = None) -> bool:
+    """Whether the device peak fits ``available`` bytes (and the host footprint ``host_available``, when
+    given: offloaded inputs grow with the sequence)."""
+    if gpu_peak(gpu_bytes(shape, run)) > available:
+        return False
+    return host_available is None or sum(host_bytes(shape, run).values()) <= host_available
 
 
-def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int) -> int:
-    """Largest value of ``field`` (micro_batch or seq_len) whose device peak fits: memory grows with it."""
+def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int,
+             host_available: float | None = None) -> int:
+    """Largest value of ``field`` (micro_batch or seq_len) that fits: memory grows with it."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits_device(shape, run.replace(**{field: mid}), available):
+        if fits_memory(shape, run.replace(**{field: mid}), available, host_available):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def largest_micro_batch(shape: PlanShape, run: Run, available: float, limit: int = 1 << 14) -> int:
-    """Largest micro-batch at the run's seq_len whose device peak fits (0: not even one row)."""
-    return _largest(shape, run, available, "micro_batch", limit)
+def largest_micro_batch(shape: PlanShape, run: Run, available: float, limit: int = 1 << 14,
+                        host_available: float | None = None) -> int:
+    """Largest micro-batch at the run's seq_len that fits (0: not even one row)."""
+    return _largest(shape, run, available, "micro_batch", limit, host_available)
 
 
-def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1 << 22) -> int:
-    """Largest sequence length at the run's micro-batch that fits, rounded down to a multiple of 128."""
-    lo = _largest(shape, run, available, "seq_len", limit)
+def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1 << 22,
+                    host_available: float | None = None) -> int:
+    """Largest sequence length at the run's micro-batch that fits the device (and the host, when
+    ``host_available`` is given), rounded down to a multiple of 128. Every memory choice is the run's: the
+    chunked MLP and loss, the offloaded blocks and the saved inputs' dtype (``plan.context`` also chooses
+    how many blocks to offload)."""
+    lo = _largest(shape, run, available, "seq_len", limit, host_available)
     return lo // 128 * 128 if lo >= 128 else lo
+
+
+def device_available(hw: HardwareProfile) -> float:
+    """Device bytes for tensors: the device's memory less the CUDA context."""
+    return (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
 
 
 def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the model",
@@ -111,18 +129,22 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
     pinned_ok = hw.accelerator == "cuda" and pinned <= hw.pinned_budget_gb * GB
     gpu = gpu_bytes(shape, run)
     gpu_total = gpu_peak(gpu)
-    gpu_available = (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
-    max_mb = largest_micro_batch(shape, run, gpu_available)
-    max_seq = largest_seq_len(shape, run, gpu_available)
+    gpu_available = device_available(hw)
+    max_mb = largest_micro_batch(shape, run, gpu_available, host_available=host_available)
+    max_seq = largest_seq_len(shape, run, gpu_available, host_available=host_available)
     if refuse_device and gpu_total > gpu_available:
         raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu))
     times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
+    from .context import longest_context, smallest_offload  # context builds on this module
+
     return Plan(
         model=model, hardware=hw.name, shape=shape, run=run,
         host=host, host_total=host_total, host_available=host_available, pinned=pinned, pinned_ok=pinned_ok,
         gpu=gpu, gpu_total=gpu_total, gpu_available=gpu_available,
         times=times, step_s=times["step"], bottleneck=bottleneck(times),
         max_micro_batch=max_mb, max_seq_len=max_seq,
+        needs_offload=smallest_offload(shape, run, gpu_available, host_available),
+        longest=longest_context(shape, run, hw),
     )
 
 

@@ -26,6 +26,9 @@ class PlanShape:
     # rest in their own dtype. None: every parameter trains.
     trainable_params: int | None = None
     frozen_bytes: float = 0.0
+    # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
+    # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
+    mlp_params: int | None = None
 
     @property
     def trained(self) -> int:
@@ -34,6 +37,18 @@ class PlanShape:
     @property
     def trained_fraction(self) -> float:
         return self.trained / max(self.total_params, 1)
+
+    @property
+    def mlp(self) -> int:
+        """Parameters of all the blocks' MLPs."""
+        return self.mlp_params if self.mlp_params is not None else 3 * self.hidden * self.intermediate * self.layers
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token (DESIGN.md section 6, as ``models.ModelShape``): ``6·N + 12·L·H·Q·T``, N without
+        the input embedding table (a lookup) unless it is tied to the head. Dense models: every parameter
+        is active."""
+        lookup = self.vocab * self.hidden if self.untied_head() else 0
+        return 6 * (self.total_params - lookup) + 12 * self.layers * self.heads * self.head_dim * seq_len
 
     @classmethod
     def of(cls, model: Any) -> PlanShape:
@@ -62,6 +77,7 @@ class PlanShape:
             hidden=config.hidden_size,
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             vocab=config.vocab_size,
+            mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
         )
 
     def untied_head(self) -> int:
