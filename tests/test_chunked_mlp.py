@@ -27,10 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 CHUNK = 5  # does not divide the 4 x 16 tokens of a zoo batch: the last chunk is short
 
 
-def chunked(factory: Any, tokens: int | None = CHUNK) -> Any:
+def chunked(factory: Any, tokens: int | None = CHUNK, fold_norm: bool = True) -> Any:
     def build() -> Any:
         module = factory()
-        assert chunk_mlp(module.model, tokens) == module.model.config.num_hidden_layers
+        assert chunk_mlp(module.model, tokens, fold_norm=fold_norm) == module.model.config.num_hidden_layers
         return module
     return build
 
@@ -45,20 +45,39 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Te
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("fold_norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, CHUNK, 64, 1000])
-def test_chunked_equals_unchunked_fp32(tokens: int) -> None:
+def test_chunked_equals_unchunked_fp32(tokens: int, fold_norm: bool) -> None:
     torch.manual_seed(0)
     model = TinyLlama().model
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
     ref_loss, ref = _loss_and_grads(model, ids)
-    chunk_mlp(model, tokens)
+    chunk_mlp(model, tokens, fold_norm=fold_norm)
+    layer = model.model.layers[0]
+    assert ("forward" in layer.post_attention_layernorm.__dict__) == fold_norm
     loss, got = _loss_and_grads(model, ids)
     assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert max(rel_diff(ref[k], got[k]) for k in ref) <= 1e-6
     if tokens >= 64:  # a sequence within one chunk runs the MLP as it is: bit for bit
         assert torch.equal(loss, ref_loss) and all(torch.equal(ref[k], got[k]) for k in ref)
     chunk_mlp(model, None)  # and back
-    assert "forward" not in model.model.layers[0].mlp.__dict__
+    assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.post_attention_layernorm.__dict__
+    assert torch.equal(_loss_and_grads(model, ids)[0], ref_loss)
+
+
+def test_the_norm_joins_the_chunks_only_where_its_output_goes_to_the_mlp_alone() -> None:
+    """Llama and Qwen2 layers feed post_attention_layernorm straight into the MLP; Gemma2 adds the residual
+    and a second norm between them, GPT-OSS's MLP returns router scores too."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from megatrain_lightning.models.chunked_mlp import folded_norm
+
+    assert folded_norm(TinyLlama().model.model.layers[0]) is not None
+    assert folded_norm(ZOO["qwen2"]().model.model.layers[0]) is not None
+    assert folded_norm(ZOO["gpt_oss"]().model.model.layers[0]) is None
+    gemma = Gemma2ForCausalLM(Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, head_dim=8,
+                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=16))
+    assert folded_norm(gemma.model.layers[0]) is None
 
 
 def test_parity_chunked_against_unchunked_default_strategy() -> None:
@@ -69,14 +88,17 @@ def test_parity_chunked_against_unchunked_default_strategy() -> None:
 
 @pytest.mark.parametrize("option", [
     dict(),
+    dict(fold_norm=False),
     dict(offload_inputs=1),
     dict(offload_inputs=True, saved_inputs_dtype="compute"),  # fp32 compute: narrowing is a no-op
     dict(keep_activations=1),
     dict(keep_activations=1, kept_saves="matmuls"),
 ])
 def test_parity_chunked_megatrain_against_unchunked_default(option: dict) -> None:
+    option = dict(option)
+    fold = option.pop("fold_norm", True)
     ref = fit(LLAMA, None, max_steps=5)
-    got = fit(chunked(LLAMA), megatrain(**option), max_steps=5)
+    got = fit(chunked(LLAMA, fold_norm=fold), megatrain(**option), max_steps=5)
     assert_parity(ref, got)
 
 

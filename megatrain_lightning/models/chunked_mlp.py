@@ -8,6 +8,11 @@ the layer's fp32 input. Chunked, the MLP saves only its input (the norm's output
 recomputes and differentiates one chunk at a time: the intermediates then cost ``chunk_tokens`` rows,
 independent of the sequence length.
 
+The norm before the MLP is position-wise too: where a layer's forward feeds ``post_attention_layernorm``'s
+output straight into ``mlp`` and nowhere else (Llama, Qwen2/3, Mistral, Phi-3 decoder layers: read off the
+forward's source), the norm runs inside the chunks as well, so that its fp32 normalisation and output (8 B x
+hidden per token) are not kept either; the chunks then save the residual stream, which is alive anyway.
+
 What it costs: one more forward of the MLP per backward (2 x its parameters in FLOPs per token: at 7B,
 +22% of a layer's matmul FLOPs and a few percent of its time at 128 K+ tokens, where attention dominates),
 one fp32 accumulator of the MLP's weight gradients during its backward (4 B per MLP parameter: 0.8 GB at
@@ -24,6 +29,8 @@ the ones bound when the MLP ran (the device slot), saved with the input.
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any, Callable
 
 import torch
@@ -34,37 +41,70 @@ from megatrain_lightning.errors import ConfigError
 _ORIGINAL = "_megatrain_mlp_forward"  # the class's own forward, kept on a chunked MLP instance
 
 
-def chunk_mlp(model: nn.Module, chunk_tokens: int | None) -> int:
+def chunk_mlp(model: nn.Module, chunk_tokens: int | None, fold_norm: bool = True) -> int:
     """Run the ``mlp`` of every decoder layer of ``model`` over chunks of ``chunk_tokens`` tokens (None: as
-    it is again). Returns how many MLPs were changed. The layers are the blocks MegaTrainStrategy streams
-    (``blocks.find_blocks``); a ConfigError when none has an ``mlp`` submodule."""
+    it is again), with the norm before it where the layer's forward allows (``fold_norm``, see
+    :func:`folded_norm`). Returns how many MLPs were changed. The layers are the blocks MegaTrainStrategy
+    streams (``blocks.find_blocks``); a ConfigError when none has an ``mlp`` submodule."""
     from megatrain_lightning.blocks import find_blocks
 
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ConfigError(f"mlp_chunk_tokens={chunk_tokens!r}: a number of tokens >= 1, or None")
-    mlps = [getattr(block, "mlp") for _, block in find_blocks(model) if isinstance(getattr(block, "mlp", None), nn.Module)]
-    if not mlps:
+    blocks = [block for _, block in find_blocks(model) if isinstance(getattr(block, "mlp", None), nn.Module)]
+    if not blocks:
         raise ConfigError(f"mlp_chunk_tokens: the blocks of {type(model).__name__} have no `mlp` submodule to chunk")
-    for mlp in mlps:
+    for block in blocks:
+        mlp, norm = block.mlp, folded_norm(block) if fold_norm else None
+        for module in (mlp, getattr(block, "post_attention_layernorm", None)):
+            if isinstance(module, nn.Module):  # as it was (a norm folded before, say)
+                module.__dict__.pop("forward", None)
+                module.__dict__.pop(_ORIGINAL, None)
         if chunk_tokens is None:
-            mlp.__dict__.pop("forward", None)
-            mlp.__dict__.pop(_ORIGINAL, None)
-        else:
-            mlp.__dict__[_ORIGINAL] = type(mlp).forward
-            mlp.forward = _chunked_forward(mlp, chunk_tokens)  # type: ignore[method-assign]
-    return len(mlps)
+            continue
+        mlp.__dict__[_ORIGINAL] = type(mlp).forward
+        if norm is not None:
+            norm.__dict__[_ORIGINAL] = type(norm).forward
+            norm.forward = _passes_through  # type: ignore[method-assign]  # it runs in the MLP's chunks
+        mlp.forward = _chunked_forward(mlp, chunk_tokens, norm)  # type: ignore[method-assign]
+    return len(blocks)
 
 
-def _chunked_forward(mlp: nn.Module, chunk: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    sites = [(m, n) for m in mlp.modules() for n, p in m._parameters.items() if p is not None]
-    buffer_sites = [(m, n) for m in mlp.modules() for n, b in m._buffers.items() if b is not None]
+# `h = self.post_attention_layernorm(h)` followed at once by `h = self.mlp(h)`: the norm's output reaches
+# the MLP only (the name is rebound on the next line).
+_NORM_THEN_MLP = re.compile(r"(\w+) = self\.post_attention_layernorm\(\1\)\s*\n\s*\1 = self\.mlp\(\1\)\s*\n")
+
+
+def folded_norm(block: nn.Module) -> nn.Module | None:
+    """The block's ``post_attention_layernorm`` when its forward's source feeds that norm's output straight
+    into ``mlp`` and uses the norm nowhere else (then the norm can run inside the MLP's chunks); else None."""
+    norm = getattr(block, "post_attention_layernorm", None)
+    if not isinstance(norm, nn.Module) or list(norm.children()):
+        return None
+    try:
+        source = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return None
+    if source.count("post_attention_layernorm") != 1 or not _NORM_THEN_MLP.search(source):
+        return None
+    return norm
+
+
+def _passes_through(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _chunked_forward(mlp: nn.Module, chunk: int, norm: nn.Module | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    modules = [*(norm.modules() if norm is not None else []), *mlp.modules()]
+    sites = [(m, n) for m in modules for n, p in m._parameters.items() if p is not None]
+    buffer_sites = [(m, n) for m in modules for n, b in m._buffers.items() if b is not None]
     original = mlp.__dict__[_ORIGINAL]
+    norm_forward = norm.__dict__[_ORIGINAL] if norm is not None else None
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         if args or kwargs or x.dim() < 2 or rows <= chunk:
-            return original(mlp, x, *args, **kwargs)
-        run = _Run(mlp, original, sites, buffer_sites, chunk)
+            return original(mlp, norm_forward(norm, x) if norm is not None else x, *args, **kwargs)
+        run = _Run(mlp, original, sites, buffer_sites, chunk, norm, norm_forward)
         weights = [m._parameters[n] for m, n in sites]  # what is bound now (a device slot under the engine)
         if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
             with torch.no_grad():
@@ -77,8 +117,10 @@ def _chunked_forward(mlp: nn.Module, chunk: int) -> Callable[[torch.Tensor], tor
 class _Run:
     """One chunked call: how to run the MLP on a chunk with given weights, and the state to replay."""
 
-    def __init__(self, mlp: nn.Module, original: Callable[..., Any], sites: list, buffer_sites: list, chunk: int) -> None:
+    def __init__(self, mlp: nn.Module, original: Callable[..., Any], sites: list, buffer_sites: list, chunk: int,
+                 norm: nn.Module | None = None, norm_forward: Callable[..., Any] | None = None) -> None:
         self.mlp, self.original, self.sites, self.chunk = mlp, original, sites, chunk
+        self.norm, self.norm_forward = norm, norm_forward
         self.buffer_sites = buffer_sites
         self.buffers = [m._buffers[n] for m, n in buffer_sites]  # bound now (the engine's device copies)
 
@@ -87,8 +129,12 @@ class _Run:
         return flat, [slice(i, min(i + self.chunk, flat.shape[0])) for i in range(0, flat.shape[0], self.chunk)]
 
     def call(self, xc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The MLP's own forward on rows ``xc``, shaped as ``like`` with one row dimension: [1, ..., c, hidden]."""
-        out = self.original(self.mlp, xc.view(*([1] * (like.dim() - 2)), *xc.shape))
+        """The MLP's own forward (after the folded norm's) on rows ``xc``, shaped as ``like`` with one row
+        dimension: [1, ..., c, hidden]."""
+        z = xc.view(*([1] * (like.dim() - 2)), *xc.shape)
+        if self.norm is not None:
+            z = self.norm_forward(self.norm, z)  # type: ignore[misc]
+        out = self.original(self.mlp, z)
         if not isinstance(out, torch.Tensor):
             raise ConfigError(
                 f"mlp_chunk_tokens: {type(self.mlp).__name__}.forward returns a {type(out).__name__}, not one tensor; "

@@ -108,9 +108,13 @@ def pinned_bytes(shape: PlanShape, run: Run) -> float:
 
 def block_activations_per_token(shape: PlanShape, mlp_chunked: bool = False) -> float:
     """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`). A chunked
-    MLP keeps its fp32 input (4h, instead of the two bf16 copies gate and up keep) and none of its 8I."""
+    MLP keeps its fp32 input (4h, instead of the two bf16 copies gate and up keep) and none of its 8I; with
+    the norm before it in the chunks (``shape.mlp_folds_norm``) not that norm's fp32 normalisation and
+    output either (8h: the chunks keep the residual stream, which is kept anyway)."""
     h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
-    return 30 * h + 6 * kv + (0 if mlp_chunked else 8 * inter)
+    if not mlp_chunked:
+        return 30 * h + 6 * kv + 8 * inter
+    return (22 if shape.mlp_folds_norm else 30) * h + 6 * kv
 
 
 def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
@@ -130,10 +134,10 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chun
     gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts is not modelled.
 
     With the MLP in chunks of ``mlp_chunk_tokens`` (fewer tokens than the micro-batch): 30h + 6kv per token
-    kept (measured on the CPU for a Qwen2 layer under bf16 autocast: 8I less than unchunked, the rest the
-    same), backward transients 10h per token (the fp32 residual gradient 4h, the MLP input's fp32 gradient
+    kept, 22h + 6kv with the norm in the chunks (measured on the CPU for a Qwen2 layer under bf16 autocast,
+    tests/test_plan_long_context.py), backward transients 10h per token (the fp32 residual gradient 4h, the MLP input's fp32 gradient
     4h, its output's bf16 gradient 2h), and for one chunk at a time its recompute and gradients (8I + 4I)
-    with its bf16 input copies (4h); plus the fp32 sums of the MLP's weight gradients (4 B per MLP
+    with its bf16 input copies (4h) and, folded, the norm's normalisation and output (8h); plus the fp32 sums of the MLP's weight gradients (4 B per MLP
     parameter) and one chunk's bf16 weight gradients (2 B).
     """
     h, inter = shape.hidden, shape.intermediate
@@ -142,7 +146,7 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chun
         per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
         return scale * (tokens * per_token + 2 * shape.largest_block)
     per_token = block_activations_per_token(shape, mlp_chunked=True) + 10 * h
-    per_chunk_token = 12 * inter + 4 * h
+    per_chunk_token = 12 * inter + (12 if shape.mlp_folds_norm else 4) * h
     mlp_block = shape.mlp / max(shape.layers, 1)
     return (scale * (tokens * per_token + mlp_chunk_tokens * per_chunk_token + 2 * shape.largest_block)
             + (4 + 2 * scale) * mlp_block)

@@ -29,6 +29,8 @@ class PlanShape:
     # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
     # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
     mlp_params: int | None = None
+    # Whether chunking the MLP also runs the norm before it in the chunks (models/chunked_mlp.folded_norm).
+    mlp_folds_norm: bool = False
 
     @property
     def trained(self) -> int:
@@ -55,6 +57,7 @@ class PlanShape:
         """Counts from a Hugging Face causal LM (the meta device is fine); the blocks are the ones
         MegaTrainStrategy would stream."""
         from ..blocks import find_blocks
+        from ..models.chunked_mlp import folded_norm
 
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         blocks = [m for _, m in find_blocks(model)]
@@ -78,6 +81,7 @@ class PlanShape:
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             vocab=config.vocab_size,
             mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
+            mlp_folds_norm=all(folded_norm(b) is not None for b in blocks),
         )
 
     def untied_head(self) -> int:
