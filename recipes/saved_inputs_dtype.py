@@ -1,4 +1,4 @@
-# PYTHONPATH=. python recipes/saved_inputs_dtype.py [--steps 100] [--out recipes/results/<today>-cpu-saved-inputs-dtype.md]
+# python recipes/saved_inputs_dtype.py [--steps 100] [--out recipes/results/<today>-cpu-saved-inputs-dtype.md]
 """What storing saved block inputs in bf16 (``saved_inputs_dtype="compute"``) does to training, on the CPU.
 
 The forward runs each block on its fp32 input; the backward recomputes it from the bf16 rounding of that
@@ -134,7 +134,7 @@ def main() -> int:
         "",
         f"- date: {datetime.date.today()}; machine: {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads), CPU only; python {sys.version.split()[0]}, torch {torch.__version__}",
-        f"- command: `PYTHONPATH=. python recipes/saved_inputs_dtype.py --steps {args.steps}`",
+        f"- command: `python recipes/saved_inputs_dtype.py --steps {args.steps}`",
         f"- model: Llama, {LAYERS} layers, hidden {HIDDEN}, intermediate {INTER}, {HEADS} heads ({KV_HEADS} kv), tied "
         f"byte embeddings (259); AdamW lr {LR}, 10 warm-up steps, cosine decay; data: this repository's docs/*.md "
         f"packed into rows of {SEQ} byte tokens, micro-batch {BATCH}; seed 0, deterministic",
