@@ -1,12 +1,12 @@
 """Sequence-chunked MLP ("chunked MLP execution"): each decoder layer's position-wise MLP run over chunks of
 tokens, so that its wide intermediate activations exist for one chunk at a time.
 
-At long context the MLP's intermediates dominate a layer's working set: a SwiGLU layer holds gate, up,
-activation and product (8 x intermediate bytes per token in bf16, plus their gradients in the backward):
-Qwen2.5-7B at 256 K tokens, 40 GB for the forward and about 60 GB for the backward, against 3.8 GB for
-the layer's fp32 input. Chunked, the MLP saves only its input (the norm's output) and, in the backward,
-recomputes and differentiates one chunk at a time: the intermediates then cost ``chunk_tokens`` rows,
-independent of the sequence length.
+At long context the MLP's intermediates dominate a layer's working set: for its backward a SwiGLU MLP
+keeps gate, up, activation and product (8 x intermediate bytes per token in bf16: at Qwen2.5-7B and 256 K
+tokens 40 GB, against 3.8 GB for the layer's fp32 input), and the backward adds about 20 GB of their
+gradients. Chunked, the MLP saves only its input (the norm's output) and, in the backward, recomputes and
+differentiates one chunk at a time: the intermediates then cost ``chunk_tokens`` rows, independent of the
+sequence length.
 
 The norm before the MLP is position-wise too: where a layer's forward feeds ``post_attention_layernorm``'s
 output straight into ``mlp`` and nowhere else (Llama, Qwen2/3, Mistral, Phi-3 decoder layers: read off the
