@@ -186,6 +186,8 @@ def test_long_context_7b_answers() -> None:
     assert long.fits and long.needs_offload == 15
     gh200 = _plan("hardware=gh200", "data.seq_len=524288", "strategy.engine.offload_inputs=27")
     assert gh200.fits and gh200.needs_offload == 27
+    with pytest.raises(ConfigError, match=r"set strategy.engine.offload_inputs=27 \(the first 27 blocks"):
+        _plan("hardware=gh200", "data.seq_len=524288")  # the refusal names the fix
     assert 512 * 1024 < gh200.longest.seq_len < 768 * 1024 < h200.longest.seq_len
     unfolded = dataclasses.replace(gh200.shape, mlp_folds_norm=False)
     with pytest.raises(ConfigError, match="hardware=gh200"):

@@ -132,29 +132,34 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
     gpu_available = device_available(hw)
     max_mb = largest_micro_batch(shape, run, gpu_available, host_available=host_available)
     max_seq = largest_seq_len(shape, run, gpu_available, host_available=host_available)
-    if refuse_device and gpu_total > gpu_available:
-        raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu))
-    times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
     from .context import longest_context, smallest_offload  # context builds on this module
 
+    needs_offload = smallest_offload(shape, run, gpu_available, host_available)
+    if refuse_device and gpu_total > gpu_available:
+        raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu,
+                                           offload=needs_offload))
+    times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
     return Plan(
         model=model, hardware=hw.name, shape=shape, run=run,
         host=host, host_total=host_total, host_available=host_available, pinned=pinned, pinned_ok=pinned_ok,
         gpu=gpu, gpu_total=gpu_total, gpu_available=gpu_available,
         times=times, step_s=times["step"], bottleneck=bottleneck(times),
         max_micro_batch=max_mb, max_seq_len=max_seq,
-        needs_offload=smallest_offload(shape, run, gpu_available, host_available),
+        needs_offload=needs_offload,
         longest=longest_context(shape, run, hw),
     )
 
 
 def device_shortfall(model: str, run: Run, need: float, available: float, hw: HardwareProfile, max_mb: int,
-                     max_seq: int, gpu: dict[str, float]) -> str:
-    """What to change when the device peak does not fit, in one paragraph."""
+                     max_seq: int, gpu: dict[str, float], offload: int | None = None) -> str:
+    """What to change when the device peak does not fit, in one paragraph. ``offload``: the fewest
+    offloaded blocks with which this shape fits (None: no count does)."""
     w = run.work
     return (
         f"model={model} at micro-batch {w.micro_batch} x {w.seq_len} tokens needs {need / GB:.1f} GB of "
         f"device memory but hardware={hw.name} has {available / GB:.1f} GB for tensors: "
+        + (f"set strategy.engine.offload_inputs={offload} (the first {offload} blocks' saved inputs in pinned host "
+           "memory), or " if offload is not None else "")
         + (
             f"use at most data.batch_size={max_mb} at this seq_len, or data.seq_len={max_seq} at this micro-batch "
             f"(and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"
