@@ -182,3 +182,21 @@ def test_causal_lm_chunks_and_calls_sdpa_causally_without_a_mask(monkeypatch: py
     ids = torch.randint(0, 259, (2, 40))
     module.causal_lm_loss(ids, ids).backward()
     assert calls == [(True, True)] * 2
+
+
+def test_a_deep_copy_chunks_its_own_weights() -> None:
+    """copy.deepcopy (EMA and SWA callbacks, say) must give a model whose chunked MLP reads the copy's weights."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyLlama().model
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    chunk_mlp(model, CHUNK)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    got = twin(input_ids=ids).logits
+    chunk_mlp(twin, None)
+    assert torch.allclose(got, twin(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, model(input_ids=ids).logits)

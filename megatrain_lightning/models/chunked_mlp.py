@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Callable
+import types
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatrain_lightning.errors import ConfigError
 
-_ORIGINAL = "_megatrain_mlp_forward"  # the class's own forward, kept on a chunked MLP instance
+# A chunked MLP's settings, in its instance __dict__ (not submodules: the state_dict is unchanged). The
+# forwards are bound methods of module-level functions, so that copy.deepcopy and pickle follow the module.
+_CHUNK, _NORM = "_megatrain_mlp_chunk", "_megatrain_mlp_norm"
 
 
 def chunk_mlp(model: nn.Module, chunk_tokens: int | None, fold_norm: bool = True) -> int:
@@ -57,15 +60,14 @@ def chunk_mlp(model: nn.Module, chunk_tokens: int | None, fold_norm: bool = True
         mlp, norm = block.mlp, folded_norm(block) if fold_norm else None
         for module in (mlp, getattr(block, "post_attention_layernorm", None)):
             if isinstance(module, nn.Module):  # as it was (a norm folded before, say)
-                module.__dict__.pop("forward", None)
-                module.__dict__.pop(_ORIGINAL, None)
+                for key in ("forward", _CHUNK, _NORM):
+                    module.__dict__.pop(key, None)
         if chunk_tokens is None:
             continue
-        mlp.__dict__[_ORIGINAL] = type(mlp).forward
+        mlp.__dict__[_CHUNK], mlp.__dict__[_NORM] = chunk_tokens, norm
         if norm is not None:
-            norm.__dict__[_ORIGINAL] = type(norm).forward
-            norm.forward = _passes_through  # type: ignore[method-assign]  # it runs in the MLP's chunks
-        mlp.forward = _chunked_forward(mlp, chunk_tokens, norm)  # type: ignore[method-assign]
+            norm.forward = types.MethodType(_passes_through, norm)  # type: ignore[method-assign]  # runs in the chunks
+        mlp.forward = types.MethodType(_chunked_forward, mlp)  # type: ignore[method-assign]
     return len(blocks)
 
 
@@ -89,39 +91,34 @@ def folded_norm(block: nn.Module) -> nn.Module | None:
     return norm
 
 
-def _passes_through(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _passes_through(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x  # a folded norm: the chunked MLP after it applies it, chunk by chunk
 
 
-def _chunked_forward(mlp: nn.Module, chunk: int, norm: nn.Module | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    modules = [*(norm.modules() if norm is not None else []), *mlp.modules()]
-    sites = [(m, n) for m in modules for n, p in m._parameters.items() if p is not None]
-    buffer_sites = [(m, n) for m in modules for n, b in m._buffers.items() if b is not None]
-    original = mlp.__dict__[_ORIGINAL]
-    norm_forward = norm.__dict__[_ORIGINAL] if norm is not None else None
+def _sites(modules: list[nn.Module], kind: str) -> list[tuple[nn.Module, str]]:
+    return [(m, n) for m in modules for n, t in getattr(m, kind).items() if t is not None]
 
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if args or kwargs or x.dim() < 2 or rows <= chunk:
-            return original(mlp, norm_forward(norm, x) if norm is not None else x, *args, **kwargs)
-        run = _Run(mlp, original, sites, buffer_sites, chunk, norm, norm_forward)
-        weights = [m._parameters[n] for m, n in sites]  # what is bound now (a device slot under the engine)
-        if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-            with torch.no_grad():
-                return run.forward(x)  # nothing to differentiate: the chunks run, nothing is kept
-        return _ChunkedMLP.apply(run, x, *weights)
 
-    return forward
+def _chunked_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A chunked MLP's forward (``self``: the MLP); the folded norm first, if any."""
+    chunk, norm = self.__dict__[_CHUNK], self.__dict__[_NORM]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if args or kwargs or x.dim() < 2 or rows <= chunk:
+        return type(self).forward(self, type(norm).forward(norm, x) if norm is not None else x, *args, **kwargs)
+    modules = [*(norm.modules() if norm is not None else []), *self.modules()]
+    run = _Run(self, _sites(modules, "_parameters"), _sites(modules, "_buffers"), chunk, norm)
+    weights = [m._parameters[n] for m, n in run.sites]  # what is bound now (a device slot under the engine)
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
+        with torch.no_grad():
+            return run.forward(x)  # nothing to differentiate: the chunks run, nothing is kept
+    return _ChunkedMLP.apply(run, x, *weights)
 
 
 class _Run:
     """One chunked call: how to run the MLP on a chunk with given weights, and the state to replay."""
 
-    def __init__(self, mlp: nn.Module, original: Callable[..., Any], sites: list, buffer_sites: list, chunk: int,
-                 norm: nn.Module | None = None, norm_forward: Callable[..., Any] | None = None) -> None:
-        self.mlp, self.original, self.sites, self.chunk = mlp, original, sites, chunk
-        self.norm, self.norm_forward = norm, norm_forward
-        self.buffer_sites = buffer_sites
+    def __init__(self, mlp: nn.Module, sites: list, buffer_sites: list, chunk: int, norm: nn.Module | None) -> None:
+        self.mlp, self.sites, self.buffer_sites, self.chunk, self.norm = mlp, sites, buffer_sites, chunk, norm
         self.buffers = [m._buffers[n] for m, n in buffer_sites]  # bound now (the engine's device copies)
 
     def chunks(self, x: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
@@ -133,8 +130,8 @@ class _Run:
         dimension: [1, ..., c, hidden]."""
         z = xc.view(*([1] * (like.dim() - 2)), *xc.shape)
         if self.norm is not None:
-            z = self.norm_forward(self.norm, z)  # type: ignore[misc]
-        out = self.original(self.mlp, z)
+            z = type(self.norm).forward(self.norm, z)
+        out = type(self.mlp).forward(self.mlp, z)
         if not isinstance(out, torch.Tensor):
             raise ConfigError(
                 f"mlp_chunk_tokens: {type(self.mlp).__name__}.forward returns a {type(out).__name__}, not one tensor; "
