@@ -18,9 +18,10 @@ from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile
 from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan
 from megatrain_lightning.plan.context import longest_context, smallest_offload
-from megatrain_lightning.plan.fit import device_available, fits_memory, largest_seq_len
+from megatrain_lightning.plan.fit import largest_seq_len
 from megatrain_lightning.plan.memory import (
-    GB, OFFLOADED, block_activations_per_token, block_working_set, gpu_bytes, gpu_peak, host_bytes, loss_bytes,
+    GB, OFFLOADED, block_activations_per_token, block_working_set, device_available, fits_memory, gpu_bytes,
+    host_bytes, loss_bytes,
 )
 from megatrain_lightning.plan.timing import step_times
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hardware import HardwareProfile
-from .fit import device_available, fits_memory
-from .memory import GB, pinned_bytes
+from .memory import GB, device_available, fits_memory, pinned_bytes
 from .run import Run
 from .shape import PlanShape
 from .timing import step_times

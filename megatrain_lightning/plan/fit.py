@@ -9,9 +9,10 @@ from typing import Any
 from ..config import EngineConfig, grad_buffers_for
 from ..errors import ConfigError
 from ..hardware import HardwareProfile
+from .context import longest_context, smallest_offload
 from .memory import (
-    CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, host_bytes,
-    lasting_weights, pinned_bytes,
+    GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, device_available, fits_memory, gpu_bytes, gpu_peak,
+    host_bytes, lasting_weights, pinned_bytes,
 )
 from .run import Run, Workload
 from .shape import PlanShape
@@ -68,14 +69,6 @@ def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: Hardware
     return Run(work, engine, **older)
 
 
-def fits_memory(shape: PlanShape, run: Run, available: float, host_available: float | None = None) -> bool:
-    """Whether the device peak fits ``available`` bytes (and the host footprint ``host_available``, when
-    given: offloaded inputs grow with the sequence)."""
-    if gpu_peak(gpu_bytes(shape, run)) > available:
-        return False
-    return host_available is None or sum(host_bytes(shape, run).values()) <= host_available
-
-
 def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int,
              host_available: float | None = None) -> int:
     """Largest value of ``field`` (micro_batch or seq_len) that fits: memory grows with it."""
@@ -105,11 +98,6 @@ def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1
     return lo // 128 * 128 if lo >= 128 else lo
 
 
-def device_available(hw: HardwareProfile) -> float:
-    """Device bytes for tensors: the device's memory less the CUDA context."""
-    return (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
-
-
 def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the model",
               refuse_host: bool = True, refuse_device: bool = True) -> Plan:
     """The plan for ``model`` on ``hw``; a ConfigError naming the numbers and the fix when host
@@ -132,8 +120,6 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
     gpu_available = device_available(hw)
     max_mb = largest_micro_batch(shape, run, gpu_available, host_available=host_available)
     max_seq = largest_seq_len(shape, run, gpu_available, host_available=host_available)
-    from .context import longest_context, smallest_offload  # context builds on this module
-
     needs_offload = smallest_offload(shape, run, gpu_available, host_available)
     if refuse_device and gpu_total > gpu_available:
         raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu,

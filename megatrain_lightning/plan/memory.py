@@ -18,9 +18,13 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .run import Run
 from .shape import PlanShape
+
+if TYPE_CHECKING:
+    from ..hardware import HardwareProfile
 
 GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
 GIB = 2**30
@@ -205,3 +209,16 @@ def gpu_peak(items: dict[str, float]) -> float:
     """Lasting items plus the larger transient: the loss is freed before the first block's backward."""
     lasting = sum(v for k, v in items.items() if not k.startswith("transient"))
     return lasting + max(v for k, v in items.items() if k.startswith("transient"))
+
+
+def fits_memory(shape: PlanShape, run: Run, available: float, host_available: float | None = None) -> bool:
+    """Whether the device peak fits ``available`` bytes (and the host footprint ``host_available``, when
+    given: offloaded inputs grow with the sequence)."""
+    if gpu_peak(gpu_bytes(shape, run)) > available:
+        return False
+    return host_available is None or sum(host_bytes(shape, run).values()) <= host_available
+
+
+def device_available(hw: HardwareProfile) -> float:
+    """Device bytes for tensors: the device's memory less the CUDA context."""
+    return (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
