@@ -204,3 +204,26 @@ def test_an_input_parked_as_is_and_changed_in_place_is_refused() -> None:
         hook.remove()
         engine.abort_step()
         engine.close()
+
+
+def test_narrow_copies_replace_the_wide_inputs() -> None:
+    """The bf16 copy kept on the device must not come on top of the fp32 input: nothing holds the latter."""
+    import gc
+    import weakref
+
+    module, engine = _engine(3, torch.bfloat16, saved_inputs_dtype="compute")
+    inputs: list[weakref.ref] = []
+    hooks = [b.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0]))) for b in module.blocks]
+    try:
+        engine.open_step()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(torch.randn(4, 8))
+        gc.collect()
+        # the inputs of blocks 1 and 2 (outputs of streamed blocks, fp32) live on as bf16 copies only
+        assert len(inputs) == 3 and [r() is None for r in inputs[1:]] == [True, True]
+        out.float().square().mean().backward()
+        engine.finish_backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.close()
