@@ -13,8 +13,10 @@ from typing import Literal
 
 HostState = Literal["fp32", "compact"]
 KeptSaves = Literal["all", "matmuls"]
+SavedInputsDtype = Literal["input", "compute"]
 HOST_STATES: tuple[str, ...] = ("fp32", "compact")
 KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
+SAVED_INPUTS_DTYPES: tuple[str, ...] = ("input", "compute")
 
 # grad_buffers=None: the pool used when a run's own gradient accumulators would not leave a tenth of the host
 # memory free (see grad_buffers_for).
@@ -42,10 +44,22 @@ class EngineConfig:
         cache_weights: the last ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype
             weights on the device for the whole optimizer step: one host->device copy per step instead of
             two per micro-batch, at one block of weights each (a 7B layer: 0.47 GB in bf16). Clamped.
-        offload_inputs: keep the recomputed blocks' saved inputs in pinned host memory instead of on the
-            device (each is one residual-stream activation: tokens x hidden x 4 B), brought back one block
-            ahead of its backward. Device memory then stops growing with depth, at those bytes on the link
-            both ways.
+        offload_inputs: which recomputed blocks park their saved inputs in pinned host memory instead of on
+            the device (each is one residual-stream activation: tokens x hidden x 4 B, 2 B with
+            ``saved_inputs_dtype="compute"``), brought back one block ahead of its backward. ``True``: every
+            recomputed block, so device memory stops growing with depth; ``N``: the first ``N`` blocks (the
+            rest keep theirs on the device), the ones to offload because their backward comes last: their
+            copies have the whole rest of the forward and backward to run. Each costs its bytes on the link
+            both ways and in pinned host memory (torch's pinned allocator rounds each up to a power of two);
+            ``False`` or 0: none. Clamped to the recomputed blocks; ``python -m megatrain_lightning.plan``
+            names the smallest count that fits a run.
+        saved_inputs_dtype: ``"input"``: saved block inputs keep their dtype (fp32: the residual stream stays
+            fp32 under bf16 autocast). ``"compute"``: stored in the compute dtype (bf16 under bf16-mixed; a
+            no-op in fp32), on the device or on the host: half the bytes of every saved input and of the
+            offload copies. Not exact: the forward runs on the fp32 input, the recompute on its bf16
+            rounding (relative error <= 2^-9 per element), so the backward's activations and gradients
+            differ from the forward's by about the rounding bf16 autocast already applies inside the block
+            (measured on a tiny Llama over 100 bf16-mixed steps: docs/long_context.md). Opt-in.
         host_state: ``"fp32"``: fp32 master, gradient and Adam moments, 16 B/param on the host.
             ``"compact"``: 12 B/param (8 lasting + the 4 B gradient): the fp32 master kept exactly as a bf16
             high half plus an int16 low half, bf16 Adam moments rounded stochastically. The module's
@@ -79,7 +93,8 @@ class EngineConfig:
     keep_activations: int = 0
     kept_saves: KeptSaves = "all"
     cache_weights: int = 0
-    offload_inputs: bool = False
+    offload_inputs: bool | int = False
+    saved_inputs_dtype: SavedInputsDtype = "input"
     host_state: HostState = "fp32"
     grad_buffers: int | None = None
     host_threads: int | None = None
@@ -98,6 +113,13 @@ class EngineConfig:
                 problems.append(f"{name}={value!r}: a number of blocks, >= 0")
         if self.kept_saves not in KEPT_SAVES:
             problems.append(f"kept_saves={self.kept_saves!r}: expected one of {KEPT_SAVES}")
+        if isinstance(self.offload_inputs, bool):
+            pass
+        elif not isinstance(self.offload_inputs, int) or self.offload_inputs < 0:
+            problems.append(f"offload_inputs={self.offload_inputs!r}: True (every recomputed block), False, or a "
+                            "number of blocks >= 0 (the first ones)")
+        if self.saved_inputs_dtype not in SAVED_INPUTS_DTYPES:
+            problems.append(f"saved_inputs_dtype={self.saved_inputs_dtype!r}: expected one of {SAVED_INPUTS_DTYPES}")
         if self.host_state not in HOST_STATES:
             problems.append(f"host_state={self.host_state!r}: expected one of {HOST_STATES}")
         if self.grad_buffers is not None and (not isinstance(self.grad_buffers, int) or self.grad_buffers < 0):
@@ -112,6 +134,14 @@ class EngineConfig:
         return dataclasses.replace(
             self, keep_activations=min(self.keep_activations, n_blocks), cache_weights=min(self.cache_weights, n_blocks)
         )
+
+    def offloaded_blocks(self, n_blocks: int) -> int:
+        """How many blocks park their saved inputs on the host: the first ones among the recomputed
+        (the kept blocks, the last ``keep_activations``, save none)."""
+        recomputed = max(n_blocks - min(self.keep_activations, n_blocks), 0)
+        if isinstance(self.offload_inputs, bool):
+            return recomputed if self.offload_inputs else 0
+        return min(self.offload_inputs, recomputed)
 
     @property
     def cached_blocks(self) -> int:

@@ -15,7 +15,6 @@ import argparse
 import json
 import resource
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from compat_zoo import BatchCounter, CausalLMModule, TokenBlocks, assert_exact, build_causal_lm, qwen2_config
+from compat_zoo import CausalLMModule, TokenBlocks, assert_exact, build_causal_lm, qwen2_config
 from conftest import compare_losses, fit
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

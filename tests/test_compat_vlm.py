@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from compat_zoo import EngineProbe, assert_blocks_streamed, assert_exact

@@ -8,7 +8,6 @@ import textwrap
 
 import lightning as L
 import pytest
-import torch
 
 from megatrain_lightning import host_memory
 from megatrain_lightning.errors import ConfigError

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import assert_parity, fit, megatrain, rel_diff, run_parity
+from conftest import fit, megatrain, rel_diff, run_parity
 from megatrain_lightning.engine import side_outputs
 from zoo import ZOO, TinyGptOss, TinyMixtral
 

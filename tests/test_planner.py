@@ -66,7 +66,8 @@ def test_gpu_bytes_by_hand() -> None:
     assert kept["saved block inputs (fp32)"] == 1 * tokens * 8 * 4  # the one recomputed block
     assert kept["saved: kept activations (1 blocks)"] == tokens * (30 * 8 + 6 * 4 + 8 * 16)
     chunked = gpu_bytes(SHAPE, RUN.replace(loss_chunk_tokens=4))
-    assert chunked["transient: loss (logits)"] == 4 * 50 * 12
+    # one chunk's logits, and the fp32 hidden states the chunked loss keeps (16 B x hidden per token)
+    assert chunked["transient: loss (logit chunk, hidden states)"] == 4 * 50 * 12 + 16 * 8 * tokens
 
 
 def test_step_time_by_hand_names_the_link() -> None:

@@ -7,8 +7,6 @@ from Lightning, and the clear refusals.
 
 from __future__ import annotations
 
-import ast
-import pathlib
 
 import lightning as L
 import pytest

@@ -118,7 +118,8 @@ class StreamingEngine:
         slots = DeviceSlots(config.slots, max_numel, compute_dtype, self.device,
                             fixed=[(b, self.stores[b].numel) for b in cached], master_dtype=self.stores[0].dtype)
         self.weights = WeightStream(self.stores, slots, self.streams, self.stats, self.keep, self.updates.wait_for)
-        self.offload = InputOffload(self.streams, self.pins, config.offload_inputs)
+        self.offload = InputOffload(self.streams, self.pins, config.offloaded_blocks(n_blocks),
+                                    compute_dtype if config.saved_inputs_dtype == "compute" else None)
 
         # The gradient path and the host worker behind it.
         self.grad_buffers = grad_buffers_for(config.grad_buffers, self._host_need_with_own_accumulators(),
@@ -320,7 +321,7 @@ class StreamingEngine:
         return self.config.kept_saves == "matmuls"
 
     def stash(self, tensors: Sequence[torch.Tensor]) -> Stash:
-        return self.offload.stash(tensors, self.state.step_open)
+        return self.offload.stash(tensors, self.state.step_open, self.state.recorded[-1])  # the block being called
 
     def unstash(self, stash: Stash) -> list[torch.Tensor]:
         return self.offload.unstash(stash)

@@ -29,7 +29,7 @@ parallel).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn

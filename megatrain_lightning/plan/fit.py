@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import EngineConfig, grad_buffers_for
 from ..errors import ConfigError
 from ..hardware import HardwareProfile
+from .context import longest_context, smallest_offload
 from .experts import host_bound_warning
 from .memory import (
-    CUDA_CONTEXT_GB, GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, gpu_bytes, gpu_peak, grad_host_bytes,
-    host_bytes,
-    lasting_weights, pinned_bytes,
+    GB, OFFLOADED, PROCESS, PROCESS_OVERHEAD_GB, STAGING, device_available, fits_memory, gpu_bytes, gpu_peak,
+    grad_host_bytes, host_bytes, lasting_weights, pinned_bytes,
 )
 from .run import Run, Workload
 from .shape import PlanShape
@@ -42,7 +43,9 @@ class Plan:
     step_s: float
     bottleneck: str
     max_micro_batch: int  # at the run's seq_len
-    max_seq_len: int  # at the run's micro-batch
+    max_seq_len: int  # at the run's micro-batch (device and host memory)
+    needs_offload: int | None = None  # the fewest offload_inputs blocks this shape fits with (None: none fits)
+    longest: Any = None  # plan.context.Context: the longest sequence at this micro-batch, offloading what it must
     moe_warning: str | None = None  # a mixture of experts bound by host work (plan/experts.py)
 
     @property
@@ -68,30 +71,32 @@ def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: Hardware
     return Run(work, engine, **older)
 
 
-def _fits_device(shape: PlanShape, run: Run, available: float) -> bool:
-    return gpu_peak(gpu_bytes(shape, run)) <= available
-
-
-def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int) -> int:
-    """Largest value of ``field`` (micro_batch or seq_len) whose device peak fits: memory grows with it."""
+def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int,
+             host_available: float | None = None) -> int:
+    """Largest value of ``field`` (micro_batch or seq_len) that fits: memory grows with it."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits_device(shape, run.replace(**{field: mid}), available):
+        if fits_memory(shape, run.replace(**{field: mid}), available, host_available):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def largest_micro_batch(shape: PlanShape, run: Run, available: float, limit: int = 1 << 14) -> int:
-    """Largest micro-batch at the run's seq_len whose device peak fits (0: not even one row)."""
-    return _largest(shape, run, available, "micro_batch", limit)
+def largest_micro_batch(shape: PlanShape, run: Run, available: float, limit: int = 1 << 14,
+                        host_available: float | None = None) -> int:
+    """Largest micro-batch at the run's seq_len that fits (0: not even one row)."""
+    return _largest(shape, run, available, "micro_batch", limit, host_available)
 
 
-def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1 << 22) -> int:
-    """Largest sequence length at the run's micro-batch that fits, rounded down to a multiple of 128."""
-    lo = _largest(shape, run, available, "seq_len", limit)
+def largest_seq_len(shape: PlanShape, run: Run, available: float, limit: int = 1 << 22,
+                    host_available: float | None = None) -> int:
+    """Largest sequence length at the run's micro-batch that fits the device (and the host, when
+    ``host_available`` is given), rounded down to a multiple of 128. Every memory choice is the run's: the
+    chunked MLP and loss, the offloaded blocks and the saved inputs' dtype (``plan.context`` also chooses
+    how many blocks to offload)."""
+    lo = _largest(shape, run, available, "seq_len", limit, host_available)
     return lo // 128 * 128 if lo >= 128 else lo
 
 
@@ -114,11 +119,13 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
     pinned_ok = hw.accelerator == "cuda" and pinned <= hw.pinned_budget_gb * GB
     gpu = gpu_bytes(shape, run)
     gpu_total = gpu_peak(gpu)
-    gpu_available = (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB
-    max_mb = largest_micro_batch(shape, run, gpu_available)
-    max_seq = largest_seq_len(shape, run, gpu_available)
+    gpu_available = device_available(hw)
+    max_mb = largest_micro_batch(shape, run, gpu_available, host_available=host_available)
+    max_seq = largest_seq_len(shape, run, gpu_available, host_available=host_available)
+    needs_offload = smallest_offload(shape, run, gpu_available, host_available)
     if refuse_device and gpu_total > gpu_available:
-        raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu))
+        raise ConfigError(device_shortfall(model, run, gpu_total, gpu_available, hw, max_mb, max_seq, gpu,
+                                           offload=needs_offload))
     times = step_times(shape, run, hw, pinned_ok or hw.accelerator != "cuda")
     return Plan(
         model=model, hardware=hw.name, shape=shape, run=run,
@@ -126,6 +133,8 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
         gpu=gpu, gpu_total=gpu_total, gpu_available=gpu_available,
         times=times, step_s=times["step"], bottleneck=bottleneck(times),
         max_micro_batch=max_mb, max_seq_len=max_seq,
+        needs_offload=needs_offload,
+        longest=longest_context(shape, run, hw),
         moe_warning=host_bound_warning(shape, run, hw, times, max_mb, pinned_ok or hw.accelerator != "cuda", model),
     )
 
@@ -159,12 +168,15 @@ def ways_to_fit(plan: Plan) -> list[str]:
 
 
 def device_shortfall(model: str, run: Run, need: float, available: float, hw: HardwareProfile, max_mb: int,
-                     max_seq: int, gpu: dict[str, float]) -> str:
-    """What to change when the device peak does not fit, in one paragraph."""
+                     max_seq: int, gpu: dict[str, float], offload: int | None = None) -> str:
+    """What to change when the device peak does not fit, in one paragraph. ``offload``: the fewest
+    offloaded blocks with which this shape fits (None: no count does)."""
     w = run.work
     return (
         f"model={model} at micro-batch {w.micro_batch} x {w.seq_len} tokens needs {need / GB:.1f} GB of "
         f"device memory but hardware={hw.name} has {available / GB:.1f} GB for tensors: "
+        + (f"set strategy.engine.offload_inputs={offload} (the first {offload} blocks' saved inputs in pinned host "
+           "memory), or " if offload is not None else "")
         + (
             f"use at most data.batch_size={max_mb} at this seq_len, or data.seq_len={max_seq} at this micro-batch "
             f"(and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"

@@ -44,6 +44,7 @@ def workload(cfg: Any, bf16: bool) -> Workload:
         seq_len=int(seq_len),
         accumulate=int(trainer.get("accumulate_grad_batches") or 1),
         loss_chunk_tokens=cfg.model.get("loss_chunk_tokens"),
+        mlp_chunk_tokens=cfg.model.get("mlp_chunk_tokens"),
         bf16=bf16,
         clip=bool(trainer.get("gradient_clip_val")),
     )

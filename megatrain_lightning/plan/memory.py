@@ -4,21 +4,27 @@
   parameter (``host_state="compact"``: the master as bf16 + int16 halves 4 B, bf16 moments 4 B, the
   gradient 4 B); masters and gradients pinned (compact: the bf16 half, which is what is copied); two
   pinned staging buffers of the gradient path's size when gradients accumulate (``engine/grads.py``);
-  the offloaded block inputs; plus the process itself.
+  the offloaded block inputs (``offload_inputs``: the first N recomputed blocks); plus the process itself.
 * device: the rotating slots plus one fixed slot per cached block, one fp32 staging buffer when fp32
   masters are cast on the device (``engine/slots.py``), two fp32 gradient slabs, the resident parameters
   as fp32 copies with fp32 gradients, the kept blocks' activations, the saved input of every other block
-  (fp32: the residual stream stays fp32 under bf16 autocast; two in flight with ``offload_inputs``), and
-  the larger of two transients that never coexist: the loss (logits) at the end of the forward, and one
-  block's recompute + backward working set during the backward.
+  (fp32: the residual stream stays fp32 under bf16 autocast; bf16 with ``saved_inputs_dtype="compute"``;
+  an offloaded block's only while it is in flight, two at a time), and the larger of two transients that
+  never coexist: the loss at the end of the forward (logits; with the chunked loss one chunk's logits plus
+  the fp32 hidden states it keeps), and one block's recompute + backward working set during the backward
+  (with ``mlp_chunk_tokens``, its MLP intermediates for one chunk of tokens: ``models/chunked_mlp.py``).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .run import Run
 from .shape import PlanShape
+
+if TYPE_CHECKING:
+    from ..hardware import HardwareProfile
 
 GB = 1e9  # decimal gigabytes, as memory is sold and as hardware profiles state it
 GIB = 2**30
@@ -79,9 +85,8 @@ def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
         }
     if shape.trainable_params is not None:
         state["frozen weights (their own dtype)"] = shape.frozen_bytes
-    saved_input = run.work.tokens * shape.hidden * 4
-    e = run.engine
-    offloaded = (shape.layers - min(e.keep_activations, shape.layers)) if e.offload_inputs else 0
+    saved_input = saved_input_bytes(shape, run)
+    offloaded = run.engine.offloaded_blocks(shape.layers)
     return {
         **state,
         STAGING: 2 * grad_path * 4 if run.work.accumulate > 1 else 0,
@@ -91,6 +96,13 @@ def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
     }
 
 
+def saved_input_bytes(shape: PlanShape, run: Run) -> int:
+    """One recomputed block's saved input, the residual stream of the micro-batch: tokens x hidden x 4 B
+    (2 B with ``saved_inputs_dtype="compute"`` under bf16)."""
+    narrow = run.engine.saved_inputs_dtype == "compute" and run.work.bf16
+    return run.work.tokens * shape.hidden * (2 if narrow else 4)
+
+
 def pinned_bytes(shape: PlanShape, run: Run) -> float:
     """Page-locked: masters and gradient accumulators (8 B/param; compact: 2 + 4) and the staging buffers."""
     master_b = 2 if run.compact else MASTER_B  # compact: only the bf16 half is copied, and pinned
@@ -98,10 +110,15 @@ def pinned_bytes(shape: PlanShape, run: Run) -> float:
     return master_b * shape.total_params + grad_host_bytes(shape, run) + host[STAGING] + host[OFFLOADED]
 
 
-def block_activations_per_token(shape: PlanShape) -> float:
-    """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`)."""
+def block_activations_per_token(shape: PlanShape, mlp_chunked: bool = False) -> float:
+    """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`). A chunked
+    MLP keeps its fp32 input (4h, instead of the two bf16 copies gate and up keep) and none of its 8I; with
+    the norm before it in the chunks (``shape.mlp_folds_norm``) not that norm's fp32 normalisation and
+    output either (8h: the chunks keep the residual stream, which is kept anyway)."""
     h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
-    return 30 * h + 6 * kv + 8 * inter
+    if not mlp_chunked:
+        return 30 * h + 6 * kv + 8 * inter
+    return (22 if shape.mlp_folds_norm else 30) * h + 6 * kv
 
 
 def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
@@ -111,7 +128,7 @@ def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
     return 12 * h + 4 * kv + 4 * inter
 
 
-def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float:
+def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chunk_tokens: int | None = None) -> float:
     """Device bytes of one block's recompute and backward (a dense decoder layer, memory-efficient SDPA).
 
     Per token, under bf16 autocast with an fp32 residual: two RMSNorms (fp32 input 4h + output 2h each:
@@ -119,11 +136,35 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True) -> float
     add 4h, MLP gate/up/act/product (8I), down output 2h and residual 4h: 30h + 6kv + 8I; plus backward
     transients (the fp32 residual gradient 4h, two bf16 MLP gradients 4I), and the block's bf16 parameter
     gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts is not modelled.
+
+    With the MLP in chunks of ``mlp_chunk_tokens`` (fewer tokens than the micro-batch): 30h + 6kv per token
+    kept, 22h + 6kv with the norm in the chunks (measured on the CPU for a Qwen2 layer under bf16 autocast,
+    tests/test_plan_long_context.py), backward transients 10h per token (the fp32 residual gradient 4h, the MLP input's fp32 gradient
+    4h, its output's bf16 gradient 2h), and for one chunk at a time its recompute and gradients (8I + 4I)
+    with its bf16 input copies (4h) and, folded, the norm's normalisation and output (8h); plus the fp32 sums of the MLP's weight gradients (4 B per MLP
+    parameter) and one chunk's bf16 weight gradients (2 B).
     """
     h, inter = shape.hidden, shape.intermediate
-    per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
     scale = 1 if bf16 else 2  # fp32 activations are twice as wide
-    return scale * (tokens * per_token + 2 * shape.largest_block)
+    if mlp_chunk_tokens is None or tokens <= mlp_chunk_tokens:
+        per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
+        return scale * (tokens * per_token + 2 * shape.largest_block)
+    per_token = block_activations_per_token(shape, mlp_chunked=True) + 10 * h
+    per_chunk_token = 12 * inter + (12 if shape.mlp_folds_norm else 4) * h
+    mlp_block = shape.mlp / max(shape.layers, 1)
+    return (scale * (tokens * per_token + mlp_chunk_tokens * per_chunk_token + 2 * shape.largest_block)
+            + (4 + 2 * scale) * mlp_block)
+
+
+def loss_bytes(shape: PlanShape, tokens: int, loss_chunk_tokens: int | None) -> float:
+    """Device bytes of the loss: the logits of all tokens (Hugging Face's loss), or with the chunked loss
+    one chunk's logits plus what it keeps over the whole sequence, 16 B x hidden per token in fp32: the last
+    block's output and the final norm's saved normalisation, its output (the chunks' input) and the
+    gradient chunks gathered for it."""
+    if loss_chunk_tokens is None or tokens <= loss_chunk_tokens:
+        return tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD)
+    return (loss_chunk_tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD)
+            + 16 * shape.hidden * tokens)
 
 
 def gpu_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
@@ -134,10 +175,11 @@ def gpu_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
     staging = 4 * shape.largest_block if w.bf16 and not run.compact else 0
     tokens = w.tokens
     chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
-    logit_tokens = w.loss_chunk_tokens if chunked else tokens
     keep = min(e.keep_activations, shape.layers)
     cached = max(keep, min(e.cache_weights, shape.layers))
-    saved = shape.layers - keep
+    offloaded = e.offloaded_blocks(shape.layers)
+    on_device = shape.layers - keep - offloaded + min(offloaded, 2)  # two offloaded ones in flight
+    narrow = e.saved_inputs_dtype == "compute" and w.bf16
     scale = 1 if w.bf16 else 2
     return {
         f"weight slots ({e.slots} + {cached} cached, x block x {compute_b} B) + staging": (e.slots + cached)
@@ -148,11 +190,13 @@ def gpu_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
         "resident params + grads": 4 * shape.resident_params
         + 4 * (shape.resident_params - (shape.untied_head() if run.head_in_backward else 0)),
         "LM head autocast copy (2 B/param)": 2 * shape.head_params if w.bf16 else 0,
-        "saved block inputs (fp32)": (min(saved, 2) if e.offload_inputs else saved) * tokens * shape.hidden * 4,
+        f"saved block inputs ({'bf16' if narrow else 'fp32'})": on_device * saved_input_bytes(shape, run),
         f"saved: kept activations ({keep} blocks)": keep * tokens * scale * (
-            kept_matmul_outputs_per_token(shape) if e.kept_saves == "matmuls" else block_activations_per_token(shape)),
-        "transient: loss (logits)": logit_tokens * shape.vocab * max(LOGIT_BYTES_FORWARD, LOGIT_BYTES_BACKWARD),
-        "transient: one block's recompute": block_working_set(shape, tokens, w.bf16),
+            kept_matmul_outputs_per_token(shape) if e.kept_saves == "matmuls"
+            else block_activations_per_token(shape, w.mlp_chunked)),
+        ("transient: loss (logit chunk, hidden states)" if chunked else "transient: loss (logits)"):
+            loss_bytes(shape, tokens, w.loss_chunk_tokens),
+        "transient: one block's recompute": block_working_set(shape, tokens, w.bf16, w.mlp_chunk_tokens),
     }
 
 
@@ -165,3 +209,16 @@ def gpu_peak(items: dict[str, float]) -> float:
     """Lasting items plus the larger transient: the loss is freed before the first block's backward."""
     lasting = sum(v for k, v in items.items() if not k.startswith("transient"))
     return lasting + max(v for k, v in items.items() if k.startswith("transient"))
+
+
+def fits_memory(shape: PlanShape, run: Run, available: float, host_available: float | None = None) -> bool:
+    """Whether the device peak fits ``available`` bytes (and the host footprint ``host_available``, when
+    given: offloaded inputs grow with the sequence)."""
+    if gpu_peak(gpu_bytes(shape, run)) > available:
+        return False
+    return host_available is None or sum(host_bytes(shape, run).values()) <= host_available
+
+
+def device_available(hw: HardwareProfile) -> float:
+    """Device bytes for tensors: the device's memory less the CUDA context."""
+    return (hw.device_memory_gb - (CUDA_CONTEXT_GB if hw.accelerator == "cuda" else 0)) * GB

@@ -31,9 +31,11 @@ def format_plan(plan: Plan) -> str:
         f"{s.resident_params / 1e6:.1f} M resident) on hardware={plan.hardware}",
         *([plan_note(s)] if plan_note(s) else []),
         f"run: micro-batch {w.micro_batch} x seq {w.seq_len}, accumulate {w.accumulate}, loss "
-        f"{'chunks of ' + str(w.loss_chunk_tokens) + ' tokens' if w.loss_chunk_tokens else 'unchunked'}",
+        f"{'chunks of ' + str(w.loss_chunk_tokens) + ' tokens' if w.loss_chunk_tokens else 'unchunked'}, MLP "
+        f"{'chunks of ' + str(w.mlp_chunk_tokens) + ' tokens' if w.mlp_chunk_tokens else 'unchunked'}",
         f"engine: slots {e.slots}, keep {e.keep_activations} ({e.kept_saves}), cache {e.cache_weights}, offload inputs "
-        f"{e.offload_inputs}, host state {e.host_state}, grad buffers {e.grad_buffers}, bf16 grads {e.bf16_grads}",
+        f"{e.offload_inputs} ({e.offloaded_blocks(s.layers)} blocks, saved in {e.saved_inputs_dtype} dtype), host state "
+        f"{e.host_state}, grad buffers {e.grad_buffers}, bf16 grads {e.bf16_grads}",
         "",
         f"{'host memory':<44}{'GB':>10}{'B/param':>10}",
     ]
@@ -52,10 +54,25 @@ def format_plan(plan: Plan) -> str:
     for k, v in plan.times.items():
         lines.append(f"  {k:<42}{v:>10.3f}")
     lines += [
-        f"  bottleneck: {plan.bottleneck}; {plan.tokens_per_s:,.0f} tokens/s "
+        f"  bottleneck: {plan.bottleneck}; {plan.tokens_per_s:,.0f} tokens/s, "
+        f"{s.model_flops_per_token(w.seq_len) * plan.tokens_per_s / 1e12:,.0f} model TFLOPS "
         f"(at {MATMUL_EFFICIENCY:.0%} of {plan.hardware}'s bf16 peak)",
         "",
         f"largest micro-batch at seq {w.seq_len}: {plan.max_micro_batch}; "
         f"largest seq len at micro-batch {w.micro_batch}: {plan.max_seq_len}",
     ]
+    if plan.needs_offload is not None and plan.needs_offload != plan.run.engine.offloaded_blocks(s.layers):
+        lines.append(f"fits with strategy.engine.offload_inputs={plan.needs_offload} (the fewest offloaded blocks "
+                     f"at this shape)")
+    lines.append(context_line(plan))
     return "\n".join(lines)
+
+
+def context_line(plan: Plan) -> str:
+    """The longest sequence at the run's micro-batch, offloading as many saved inputs as it must."""
+    c, w = plan.longest, plan.run.work
+    if c is None:
+        return f"longest context at micro-batch {w.micro_batch}: not even 128 tokens fit"
+    return (f"longest context at micro-batch {w.micro_batch}: {c.seq_len:,} tokens ({c.seq_len / 1024:,.0f} K) with "
+            f"offload_inputs={c.offload} of {c.recomputed} blocks, bounded by {c.limited_by} memory; predicted "
+            f"{c.step_s:,.1f} s/step, {c.tokens_per_s:,.0f} tokens/s, {c.model_tflops:,.0f} model TFLOPS")

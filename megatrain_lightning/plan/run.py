@@ -16,12 +16,18 @@ class Workload:
     seq_len: int
     accumulate: int = 1
     loss_chunk_tokens: int | None = None  # None: Hugging Face's loss over all logits at once
+    mlp_chunk_tokens: int | None = None  # None: each block's MLP over all tokens at once (models/chunked_mlp.py)
     bf16: bool = True  # compute dtype bf16 (slots stage fp32 then cast); False: fp32 everywhere
     clip: bool = False  # gradient clipping: the host step follows the backward (no overlap, no pool)
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def mlp_chunked(self) -> bool:
+        """Whether the blocks' MLPs run in chunks (a micro-batch within one chunk runs them as they are)."""
+        return self.mlp_chunk_tokens is not None and self.tokens > self.mlp_chunk_tokens
 
 
 @dataclass(frozen=True)

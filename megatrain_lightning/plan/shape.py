@@ -30,6 +30,11 @@ class PlanShape:
     # of the expert weights, models/model_shape.py's rule). Device FLOPs follow these; the copies and the host
     # AdamW touch every block parameter. None: a dense model (all of them).
     active_block_params: int | None = None
+    # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
+    # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
+    mlp_params: int | None = None
+    # Whether chunking the MLP also runs the norm before it in the chunks (models/chunked_mlp.folded_norm).
+    mlp_folds_norm: bool = False
 
     @property
     def active_blocks(self) -> int:
@@ -48,11 +53,24 @@ class PlanShape:
     def trained_fraction(self) -> float:
         return self.trained / max(self.total_params, 1)
 
+    @property
+    def mlp(self) -> int:
+        """Parameters of all the blocks' MLPs."""
+        return self.mlp_params if self.mlp_params is not None else 3 * self.hidden * self.intermediate * self.layers
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token (DESIGN.md section 6, as ``models.ModelShape``): ``6·N + 12·L·H·Q·T``, N without
+        the input embedding table (a lookup) unless it is tied to the head. Dense models: every parameter
+        is active."""
+        lookup = self.vocab * self.hidden if self.untied_head() else 0
+        return 6 * (self.total_params - lookup) + 12 * self.layers * self.heads * self.head_dim * seq_len
+
     @classmethod
     def of(cls, model: Any) -> PlanShape:
         """Counts from a Hugging Face causal LM (the meta device is fine); the blocks are the ones
         MegaTrainStrategy would stream."""
         from ..blocks import find_blocks
+        from ..models.chunked_mlp import folded_norm
         from ..models.model_shape import expert_share, is_expert_weight
 
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -79,6 +97,8 @@ class PlanShape:
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             vocab=config.vocab_size,
             active_block_params=round(active) if share < 1.0 else None,
+            mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
+            mlp_folds_norm=all(folded_norm(b) is not None for b in blocks),
         )
 
     def untied_head(self) -> int:

@@ -8,7 +8,7 @@ copies), and the host AdamW runs beside the last backward and, running on, into 
 from __future__ import annotations
 
 from ..hardware import HardwareProfile
-from .memory import GB
+from .memory import GB, saved_input_bytes
 from .run import Run
 from .shape import PlanShape
 
@@ -41,10 +41,14 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
 
     Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
     kept, N the block parameters a token passes through (a mixture of experts: its active experts only,
-    while the copies and the host AdamW below are on every parameter); the head 2 forward + 4 backward (+2 when the chunked loss recomputes it); attention 16·L·H·Q·T
-    with recompute (DESIGN.md §6, hardware FLOPs). Copies: a cached block's weights once per step, every
-    other block's twice per micro-batch (forward and recompute), the resident fp32 masters once per step;
-    every gradient once per micro-batch back. Host work beside the backward: from the second micro-batch
+    while the copies and the host AdamW below are on every parameter), plus 2 x the MLP's parameters when
+    it runs in chunks (each chunk's forward again in the backward); the head 2 forward + 4 backward (+2 when
+    the chunked loss recomputes it); attention 16·L·H·Q·T with recompute (DESIGN.md §6, hardware FLOPs; a
+    causal flash kernel runs about 9·L·H·Q·T, so the rate charged to attention is in effect 9/16 of the
+    matmuls': ~0.34 of the bf16 peak, about where FlashAttention-2 runs). Copies: a cached block's weights
+    once per step, every other block's twice per micro-batch (forward and recompute), the resident fp32
+    masters once per step; every gradient once per micro-batch back; each offloaded saved input to the host
+    in the forward and back in the backward. Host work beside the backward: from the second micro-batch
     on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
     against AdamW's 28, so at 12/28 of the AdamW rate); in the last one it also runs AdamW per block as
     its gradient lands, slowed by the copies that share host memory bandwidth with it; the resident
@@ -67,13 +71,15 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     active = shape.active_blocks  # a mixture of experts computes on its active experts only
     fwd_flops = tokens * (2 * active + 2 * shape.head_params + attn)
     bwd_flops = tokens * ((4 + 2 * recompute) * active + (6 if chunked else 4) * shape.head_params
-                          + (2 + recompute) * attn)
+                          + (2 + recompute) * attn + (2 * shape.mlp if w.mlp_chunked else 0))
     dev_fwd, dev_bwd = fwd_flops / rate, bwd_flops / rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
+    inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
     h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
-    h2d_bwd = weight_b * shape.block_params * streamed / (link * BIDIRECTIONAL_FACTOR)
+    h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
+    d2h_fwd = inputs_b / (link * BIDIRECTIONAL_FACTOR)  # beside the weights coming in
     d2h_bwd = (grad_b * shape.block_params + 4 * shape.resident_params) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
@@ -91,7 +97,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     shared = (adam_b + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
-    fwd_first, fwd = max(dev_fwd, h2d_fwd_first), max(dev_fwd, h2d_fwd)
+    fwd_first, fwd = max(dev_fwd, h2d_fwd_first, d2h_fwd), max(dev_fwd, h2d_fwd, d2h_fwd)
     if w.accumulate == 1:
         last_host = adam_blocks + adam_after  # host work in the last backward
         before_last = fwd_first
@@ -108,7 +114,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     return {
         "device compute": w.accumulate * (dev_fwd + dev_bwd),
         "host->device copies": h2d_fwd_first + (w.accumulate - 1) * h2d_fwd + w.accumulate * h2d_bwd,
-        "device->host copies": w.accumulate * d2h_bwd,
+        "device->host copies": w.accumulate * (d2h_fwd + d2h_bwd),
         "host optimizer": adam_blocks + adam_resident + (w.accumulate - 1) * add,
         "forward (one micro-batch)": fwd,
         "backward (one micro-batch)": bwd,
