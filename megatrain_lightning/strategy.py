@@ -28,19 +28,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from . import host_memory
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .config import EngineConfig
 from .data_parallel import first_refusal, init_process_group, make_replicas
 from .errors import CheckpointError, ConfigError
-from .plan.fit import check_host_at_setup, setup_shape
 from .engine import StreamingEngine
 from .engine.shared import tmpfs_room
-from .engine.side_outputs import recorder_known
 from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
+from .setup_checks import (
+    check_supported, host_memory_refusal, leaves_weights_alone, module_hooks_touch_weights, refuse_running_statistics,
+    writers_between_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +222,10 @@ class MegaTrainStrategy(ParallelStrategy):
         assert module is not None
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
-        self._check_supported(module, trainer)
+        check_supported(module, trainer)
         named_blocks = find_blocks(module, self.block_class)
         blocks = [m for _, m in named_blocks]
-        _refuse_running_statistics(named_blocks)
+        refuse_running_statistics(named_blocks)
         # Hugging Face's own checkpointing flag, off while the engine recomputes every block; the user's
         # setting is back after fit (teardown)
         self._user_checkpointing = {id(b): (b, b.gradient_checkpointing) for b in blocks
@@ -272,39 +273,21 @@ class MegaTrainStrategy(ParallelStrategy):
         # a load_state_dict from anywhere (a callback, the user) writes the masters: device copies follow
         self._hooks = [module.register_load_state_dict_post_hook(lambda *_: self._weights_written())]
         # whether code other than the engine may write the weights between steps (then copies are refreshed)
-        self._outside_writers = self._writers_between_steps(module, trainer)
+        self._outside_writers = writers_between_steps(module, trainer)
         module._device = self.root_device  # LightningModule.device reports where the batches go
 
     def _check_host_memory(self, module: pl.LightningModule, blocks: Sequence[torch.nn.Module], trainer: pl.Trainer) -> None:
-        """Refuse, before the store allocates anything, a model whose host state cannot fit the memory this
-        process may still take (MemAvailable, capped by a cgroup limit), naming the numbers and the fix."""
-        params = {id(p): p for p in module.parameters()}
-        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        # fp32 parameters that already exist on the host become views of the store: their memory is released
-        released = sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta)
-        limit, vm = host_memory.cgroup_limit(), host_memory.address_space_headroom()
-        note = f"MemAvailable {host_memory.meminfo_available() / 1e9:,.1f} GB" + (
-            f", cgroup limit {limit[0] / 1e9:,.1f} GB with {limit[1] / 1e9:,.1f} GB in use" if limit else "") + (
-            f", {vm / 1e9:,.1f} GB of address space left under ulimit -v" if vm is not None else "")
-        trainable = sum(p.numel() for p in params.values() if p.requires_grad)
-        frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
-        shape = setup_shape(sum(p.numel() for p in params.values()), sizes, trainable, frozen_bytes)
-        refusal = None
-        try:
-            check_host_at_setup(type(module).__name__, shape,
-                                self.config, int(trainer.accumulate_grad_batches), bool(trainer.gradient_clip_val),
-                                released, host_memory.available_bytes(), note,
-                                ranks_per_node=self.num_processes if self.is_distributed else 1,
-                                tmpfs=tmpfs_room() if self.is_distributed else None)
-        except ConfigError as e:
-            refusal = e
-        if self.is_distributed:
+        """Refuse, before the store allocates anything, a model whose host state cannot fit (setup_checks.py)."""
+        distributed = self.is_distributed
+        refusal = host_memory_refusal(module, blocks, self.config, trainer,
+                                      ranks_per_node=self.num_processes if distributed else 1,
+                                      tmpfs=tmpfs_room() if distributed else None)
+        if distributed:
             # every rank has checked before any of them maps the node's store (which would shrink the
             # others' MemAvailable); one rank's refusal is every rank's, so none waits on the others
-            first = first_refusal(str(refusal) if refusal else None, self.world_size)
-            refusal = ConfigError(first) if first else None
+            refusal = first_refusal(refusal, self.world_size)
         if refusal is not None:
-            raise refusal
+            raise ConfigError(refusal)
 
     def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary
@@ -316,34 +299,6 @@ class MegaTrainStrategy(ParallelStrategy):
             dirpath = getattr(cb, "dirpath", None)
             if dirpath and "://" not in str(dirpath):
                 tidy(dirpath)
-
-    def _check_supported(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        # Router logits (output_router_logits) recorded by hooks inside a block become differentiable
-        # outputs of the block (engine/side_outputs.py), through transformers 5's output collector; an
-        # older transformers records them otherwise, and its auxiliary loss would carry no gradient.
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        for m in module.modules():
-            cfg = getattr(m, "config", None)
-            if cfg is not None and getattr(cfg, "output_router_logits", False) and fitting and not recorder_known():
-                raise ValueError(
-                    f"{type(m).__name__} has config.output_router_logits=True, but this transformers does not "
-                    "record router logits through transformers.utils.output_capturing (transformers 5), the "
-                    "mechanism MegaTrainStrategy hooks into (engine/side_outputs.py) to give the router "
-                    "auxiliary loss its gradient through streamed blocks. Upgrade transformers to 5.x, or set "
-                    "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
-                )
-        if trainer.gradient_clip_algorithm is not None and str(trainer.gradient_clip_algorithm) not in (
-            "norm", "value", "GradClipAlgorithmType.NORM", "GradClipAlgorithmType.VALUE"
-        ):
-            raise ValueError(f"unsupported gradient_clip_algorithm {trainer.gradient_clip_algorithm}")
-
-    def _writers_between_steps(self, module: pl.LightningModule, trainer: pl.Trainer) -> bool:
-        """Whether a hook of the module, or a callback not known to leave the weights alone, runs between
-        steps (it may write the weights: an EMA swap, a ``p.data.copy_``, ``load_state_dict``). A module or
-        callback declares ``megatrain_reads_weights = False`` when its hooks neither read nor write them."""
-        if _module_hooks_touch_weights(module):
-            return True
-        return not all(_leaves_weights_alone(cb) for cb in trainer.callbacks)
 
     def _weights_written(self) -> None:
         if self.engine is not None:
@@ -487,9 +442,9 @@ class MegaTrainStrategy(ParallelStrategy):
             return False
         module = self.lightning_module
         assert module is not None
-        if _module_hooks_touch_weights(module):
+        if module_hooks_touch_weights(module):
             return False
-        return all(_leaves_weights_alone(cb) for cb in module.trainer.callbacks)
+        return all(leaves_weights_alone(cb) for cb in module.trainer.callbacks)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Validation, test and predict stream too; resident parameters go home right after."""
@@ -582,61 +537,5 @@ class MegaTrainStrategy(ParallelStrategy):
         )
 
 
-# Hooks that run before any training step, or never between two of them: everything else may run while
-# a step's host updates are still running on (``overlap_next_forward``).
-_BEFORE_TRAINING = {"on_fit_start", "on_sanity_check_start", "on_sanity_check_end", "on_train_start",
-                    "on_exception", "on_load_checkpoint", "on_gpu"}
-# (on_after_backward and on_before_optimizer_step already turn the overlap itself off)
-_MODULE_HOOKS_BETWEEN_STEPS = tuple(
-    n for n in dir(pl.LightningModule) if n.startswith("on_") and n not in _BEFORE_TRAINING
-    and n not in ("on_before_batch_transfer", "on_after_batch_transfer")  # batches, not weights
-)
-_CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") and n not in _BEFORE_TRAINING)
-
-
 def _has_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
-
-
-def _module_hooks_touch_weights(module: pl.LightningModule) -> bool:
-    """Whether the module overrides a hook that runs between steps, and does not declare
-    ``megatrain_reads_weights = False`` (its hooks neither read nor write the weights)."""
-    if getattr(module, "megatrain_reads_weights", None) is False:
-        return False
-    return any(is_overridden(h, module) for h in _MODULE_HOOKS_BETWEEN_STEPS)
-
-
-def _refuse_running_statistics(blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
-    """A norm that tracks running statistics updates them in its forward, which a streamed block runs
-    twice per step (once more in the backward's recompute): refused by name, with the fix."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.instancenorm import _InstanceNorm
-
-    for block_name, block in blocks:
-        for name, m in block.named_modules():
-            if isinstance(m, (_BatchNorm, _InstanceNorm)) and m.track_running_stats:
-                path = f"{block_name}.{name}" if name else block_name
-                raise ValueError(
-                    f"MegaTrainStrategy cannot train {path} ({type(m).__name__}) exactly: it updates running "
-                    "statistics in its forward, and a streamed block runs its forward twice per step (once more "
-                    "in the backward's recompute). Use track_running_stats=False, a LayerNorm or GroupNorm, or "
-                    "stream another level (MegaTrainStrategy(block_class=...)) that keeps the norm resident."
-                )
-
-
-def _leaves_weights_alone(callback: pl.Callback) -> bool:
-    """Whether ``callback`` cannot see half-updated weights between steps: it says so, it is one of ours
-    or a Lightning callback that reads none (checkpointing reads them through the strategy, which waits),
-    or it hooks nothing between steps."""
-    from lightning.pytorch import callbacks as cbs
-
-    declared = getattr(callback, "megatrain_reads_weights", None)
-    if declared is not None:
-        return not declared
-    if type(callback).__module__.startswith("megatrain_lightning."):
-        return True
-    known = (cbs.TQDMProgressBar, cbs.RichProgressBar, cbs.ModelCheckpoint, cbs.LearningRateMonitor, cbs.Timer,
-             cbs.ModelSummary, cbs.RichModelSummary, cbs.EarlyStopping, cbs.ThroughputMonitor)
-    if type(callback) in known:
-        return True
-    return not any(is_overridden(h, callback, pl.Callback) for h in _CALLBACK_HOOKS_BETWEEN_STEPS)

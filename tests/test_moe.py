@@ -87,9 +87,9 @@ def test_every_recorded_output_gets_its_gradient(option: dict[str, Any]) -> None
 def test_router_loss_refused_without_the_known_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
     """A transformers that records router logits some other way (4.x wraps forwards) is refused, naming
     the module, what is missing and the two fixes."""
-    import megatrain_lightning.strategy as strategy
+    import megatrain_lightning.setup_checks as setup_checks
 
-    monkeypatch.setattr(strategy, "recorder_known", lambda: False)
+    monkeypatch.setattr(setup_checks, "recorder_known", lambda: False)
     with pytest.raises(ValueError, match=r"GptOssForCausalLM has config.output_router_logits=True.*"
                                          r"output_capturing.*Upgrade transformers.*output_router_logits=False"):
         fit(moe("gpt_oss"), "megatrain", max_steps=1)

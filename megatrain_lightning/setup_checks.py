@@ -1,0 +1,136 @@
+"""What MegaTrainStrategy checks at setup, before it builds anything.
+
+What it cannot train exactly is refused by name, with the fix (a router loss without transformers 5's
+collector, a norm that tracks running statistics, an unknown clipping algorithm); a host store that
+cannot fit the memory left is refused with the numbers; and whether anything but the engine may write
+the weights between steps (a module hook, a callback) is found, so that the strategy takes back what
+such code wrote before the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from . import host_memory
+from .config import EngineConfig
+from .engine.side_outputs import recorder_known
+from .errors import ConfigError
+from .plan.fit import check_host_at_setup, setup_shape
+
+
+def check_supported(module: pl.LightningModule, trainer: pl.Trainer) -> None:
+    # Router logits (output_router_logits) recorded by hooks inside a block become differentiable
+    # outputs of the block (engine/side_outputs.py), through transformers 5's output collector; an
+    # older transformers records them otherwise, and its auxiliary loss would carry no gradient.
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "output_router_logits", False) and fitting and not recorder_known():
+            raise ValueError(
+                f"{type(m).__name__} has config.output_router_logits=True, but this transformers does not "
+                "record router logits through transformers.utils.output_capturing (transformers 5), the "
+                "mechanism MegaTrainStrategy hooks into (engine/side_outputs.py) to give the router "
+                "auxiliary loss its gradient through streamed blocks. Upgrade transformers to 5.x, or set "
+                "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
+            )
+    if trainer.gradient_clip_algorithm is not None and str(trainer.gradient_clip_algorithm) not in (
+        "norm", "value", "GradClipAlgorithmType.NORM", "GradClipAlgorithmType.VALUE"
+    ):
+        raise ValueError(f"unsupported gradient_clip_algorithm {trainer.gradient_clip_algorithm}")
+
+
+def refuse_running_statistics(blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    """A norm that tracks running statistics updates them in its forward, which a streamed block runs
+    twice per step (once more in the backward's recompute): refused by name, with the fix."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    for block_name, block in blocks:
+        for name, m in block.named_modules():
+            if isinstance(m, (_BatchNorm, _InstanceNorm)) and m.track_running_stats:
+                path = f"{block_name}.{name}" if name else block_name
+                raise ValueError(
+                    f"MegaTrainStrategy cannot train {path} ({type(m).__name__}) exactly: it updates running "
+                    "statistics in its forward, and a streamed block runs its forward twice per step (once more "
+                    "in the backward's recompute). Use track_running_stats=False, a LayerNorm or GroupNorm, or "
+                    "stream another level (MegaTrainStrategy(block_class=...)) that keeps the norm resident."
+                )
+
+
+def host_memory_refusal(module: pl.LightningModule, blocks: Sequence[torch.nn.Module], config: EngineConfig,
+                        trainer: pl.Trainer, ranks_per_node: int = 1,
+                        tmpfs: tuple[str, float] | None = None) -> str | None:
+    """Why the host store of ``module`` cannot fit the memory this process may still take (MemAvailable,
+    capped by a cgroup limit or ``ulimit -v``), in one paragraph with the numbers and the fix; None when it
+    fits. Under data parallel (``ranks_per_node`` > 1) the node's one shared store and the tmpfs it lives
+    in (``tmpfs``: its directory and free bytes) are checked too."""
+    params = {id(p): p for p in module.parameters()}
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    # fp32 parameters that already exist on the host become views of the store: their memory is released
+    released = sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta)
+    limit, vm = host_memory.cgroup_limit(), host_memory.address_space_headroom()
+    note = f"MemAvailable {host_memory.meminfo_available() / 1e9:,.1f} GB" + (
+        f", cgroup limit {limit[0] / 1e9:,.1f} GB with {limit[1] / 1e9:,.1f} GB in use" if limit else "") + (
+        f", {vm / 1e9:,.1f} GB of address space left under ulimit -v" if vm is not None else "")
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+    shape = setup_shape(sum(p.numel() for p in params.values()), sizes, trainable, frozen_bytes)
+    try:
+        check_host_at_setup(type(module).__name__, shape, config, int(trainer.accumulate_grad_batches),
+                            bool(trainer.gradient_clip_val), released, host_memory.available_bytes(), note,
+                            ranks_per_node=ranks_per_node, tmpfs=tmpfs)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# Hooks that run before any training step, or never between two of them: everything else may run while
+# a step's host updates are still running on (``overlap_next_forward``).
+_BEFORE_TRAINING = {"on_fit_start", "on_sanity_check_start", "on_sanity_check_end", "on_train_start",
+                    "on_exception", "on_load_checkpoint", "on_gpu"}
+# (on_after_backward and on_before_optimizer_step already turn the overlap itself off)
+_MODULE_HOOKS_BETWEEN_STEPS = tuple(
+    n for n in dir(pl.LightningModule) if n.startswith("on_") and n not in _BEFORE_TRAINING
+    and n not in ("on_before_batch_transfer", "on_after_batch_transfer")  # batches, not weights
+)
+_CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") and n not in _BEFORE_TRAINING)
+
+
+def writers_between_steps(module: pl.LightningModule, trainer: pl.Trainer) -> bool:
+    """Whether a hook of the module, or a callback not known to leave the weights alone, runs between
+    steps (it may write the weights: an EMA swap, a ``p.data.copy_``, ``load_state_dict``). A module or
+    callback declares ``megatrain_reads_weights = False`` when its hooks neither read nor write them."""
+    if module_hooks_touch_weights(module):
+        return True
+    return not all(leaves_weights_alone(cb) for cb in trainer.callbacks)
+
+
+def module_hooks_touch_weights(module: pl.LightningModule) -> bool:
+    """Whether the module overrides a hook that runs between steps, and does not declare
+    ``megatrain_reads_weights = False`` (its hooks neither read nor write the weights)."""
+    if getattr(module, "megatrain_reads_weights", None) is False:
+        return False
+    return any(is_overridden(h, module) for h in _MODULE_HOOKS_BETWEEN_STEPS)
+
+
+def leaves_weights_alone(callback: pl.Callback) -> bool:
+    """Whether ``callback`` cannot see half-updated weights between steps: it says so, it is one of ours
+    or a Lightning callback that reads none (checkpointing reads them through the strategy, which waits),
+    or it hooks nothing between steps."""
+    from lightning.pytorch import callbacks as cbs
+
+    declared = getattr(callback, "megatrain_reads_weights", None)
+    if declared is not None:
+        return not declared
+    if type(callback).__module__.startswith("megatrain_lightning."):
+        return True
+    known = (cbs.TQDMProgressBar, cbs.RichProgressBar, cbs.ModelCheckpoint, cbs.LearningRateMonitor, cbs.Timer,
+             cbs.ModelSummary, cbs.RichModelSummary, cbs.EarlyStopping, cbs.ThroughputMonitor)
+    if type(callback) in known:
+        return True
+    return not any(is_overridden(h, callback, pl.Callback) for h in _CALLBACK_HOOKS_BETWEEN_STEPS)
