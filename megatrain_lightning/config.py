@@ -73,7 +73,9 @@ class EngineConfig:
             own accumulators when they fit the host memory with a tenth of it to spare (faster: 1.10 against
             1.22 s per 3B step on the H200 host), else a pool of 4 (:func:`grad_buffers_for`).
         host_threads: intra-op threads of the host worker (gradient adds, AdamW). ``None``: torch's
-            default (all cores); on the 16-core H200 host 15 made the 3B step slower than 16.
+            default (all cores) less the cores other processes keep busy when the engine starts, at least
+            one (``host_cores.py``: on a 2-core machine with one core busy, a clipped run went from 1,471
+            to 11,855 tokens/s); on the idle 16-core H200 host that is all 16 (15 made the 3B step slower).
         bf16_grads: a block computed in bf16 whose gradients go straight into its overlapped update sends
             them home in bf16 and the host AdamW widens them: the same step bit for bit, half the
             device->host bytes and pinned gradient memory. ``None``: on where the one-pass host AdamW kernel
@@ -125,7 +127,7 @@ class EngineConfig:
         if self.grad_buffers is not None and (not isinstance(self.grad_buffers, int) or self.grad_buffers < 0):
             problems.append(f"grad_buffers={self.grad_buffers!r}: a number of pooled buffers, >= 0 (None: automatic)")
         if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
-            problems.append(f"host_threads={self.host_threads!r}: a number of threads, >= 1 (None: torch's default)")
+            problems.append(f"host_threads={self.host_threads!r}: a number of threads, >= 1 (None: the free cores)")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

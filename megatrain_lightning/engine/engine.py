@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .. import host_memory
+from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params
 from .block_call import streamed_forward
@@ -116,7 +116,8 @@ class StreamingEngine:
         self.keep = set(range(n_blocks - config.keep_activations, n_blocks))
         cached = range(n_blocks - config.cached_blocks, n_blocks)
         slots = DeviceSlots(config.slots, max_numel, compute_dtype, self.device,
-                            fixed=[(b, self.stores[b].numel) for b in cached], master_dtype=self.stores[0].dtype)
+                            fixed=[(b, self.stores[b].numel) for b in cached], master_dtype=self.stores[0].dtype,
+                            wide_numel=max(s.layout.wide_numel for s in self.stores))
         self.weights = WeightStream(self.stores, slots, self.streams, self.stats, self.keep, self.updates.wait_for)
         self.offload = InputOffload(self.streams, self.pins, config.offloaded_blocks(n_blocks),
                                     compute_dtype if config.saved_inputs_dtype == "compute" else None)
@@ -124,7 +125,7 @@ class StreamingEngine:
         # The gradient path and the host worker behind it.
         self.grad_buffers = grad_buffers_for(config.grad_buffers, self._host_need_with_own_accumulators(),
                                              host_memory.total_bytes())
-        self.worker = HostWorker(threads=config.host_threads)
+        self.worker = HostWorker(threads=config.host_threads or host_cores.worker_threads())
         self.grads = GradPath(self.streams, self.grad_numel(), self.pins, self.stats, self.worker,
                               self.grad_buffers, max(s.train_numel for s in self.stores),
                               False if dp else config.bf16_grads,  # reduced in fp32

@@ -101,16 +101,29 @@ class GradPath:
         grads = grads[: store.n_trainable]
         trainable = store.trainable
         empty = all(p.grad is None for p in trainable)
+        wide = set(store.layout.wide)
         half = (
-            then is not None and empty and not self._busy(store)
-            and all(g is not None and g.dtype == torch.bfloat16 for g in grads) and self._wants_half(then)
+            then is not None and empty and not self._busy(store) and store.can_hold_half()
+            and all(g is not None and (g.dtype == torch.bfloat16 or (i in wide and g.dtype == torch.float32))
+                    for i, g in enumerate(grads))
+            and self._wants_half(then)
         )
-        # the slabs are fp32; a bf16 store's gradients use the first half of one's bytes
-        slab = self.slabs[k].view(torch.bfloat16)[:n] if half else self.slabs[k][:n]
+        # The slabs are fp32. A bf16 store's gradients use the first half of one's bytes; the fp32 gradients
+        # of its one-dimensional weights (fp32 on the device, engine/slots.py) follow at half_wide_offset.
+        if half:
+            h = store.half_wide_offset()
+            slab = self.slabs[k][: h + store.layout.wide_numel]
+            parts = [slab.view(torch.bfloat16)[:n], slab[h:]]  # as what they hold, for the finiteness check
+            wide_views = store.wide_train_views(parts[1])
+            views = [wide_views.get(i, v) for i, v in enumerate(store.train_views(parts[0]))]
+        else:
+            slab = self.slabs[k][:n]
+            parts = [slab]
+            views = store.train_views(slab)
         compute = self.streams.compute()
         self.streams.wait(compute, self.slab_done[k])  # slab lifetime: its previous copy out has run
         slab.zero_()  # padding and absent gradients must read as zeros on the host
-        present = [(v, g) for v, g in zip(store.train_views(slab), grads) if g is not None]
+        present = [(v, g) for v, g in zip(views, grads) if g is not None]
         if present:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])  # casts bf16 -> fp32 (not if half)
         self.slab_written[k].record(compute)
@@ -138,7 +151,7 @@ class GradPath:
         # One event per copy: the worker must wait for *this* copy, not a later reuse of the slab.
         flag = None
         if self.check_finite:
-            finite = torch.isfinite(slab).all().reshape(1)  # on the device, ordered after the packing
+            finite = torch.stack([torch.isfinite(p).all() for p in parts]).all().reshape(1)  # on the device, after the packing
             if self.window_finite is None:
                 self.window_finite = torch.ones(1, dtype=torch.bool, device=self.streams.device)
             self.window_finite.logical_and_(finite)

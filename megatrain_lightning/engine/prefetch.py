@@ -74,7 +74,7 @@ class WeightStream:
         self._prefetch(current=block)
         key = (block, s)
         if key not in self._views:
-            self._views[key] = self.stores[block].layout.views(self.slots.buffers[s])
+            self._views[key] = self.stores[block].layout.views(self.slots.buffers[s], self.slots.wide[s])
         return self._views[key]
 
     def release(self, block: int) -> None:
@@ -121,13 +121,18 @@ class WeightStream:
         h2d = self.streams.h2d
         with self.streams.on(h2d):
             self.streams.wait(h2d, self._free[s])  # slot lifetime: no queued kernel still reads it
+            slot, wide = self.slots.buffers[s], self.slots.wide[s]
             for src, a, b in store.regions():  # trainable masters, then frozen weights in their own dtype
                 stage = self.slots.staging_for(src.dtype)
                 if stage is None:
-                    self.slots.buffers[s][a:b].copy_(src, non_blocking=True)
+                    slot[a:b].copy_(src, non_blocking=True)
                 else:
                     stage[a:b].copy_(src, non_blocking=True)
-                    self.slots.buffers[s][a:b].copy_(stage[a:b])  # cast to the compute dtype on the device
+                    slot[a:b].copy_(stage[a:b])  # cast to the compute dtype on the device
+                if wide is not None:  # one-dimensional weights in fp32: from the staged masters where staged
+                    dst, from_ = store.layout.wide_pairs(wide, slot if stage is None else stage, a, b)
+                    if dst:
+                        torch._foreach_copy_(dst, from_)
             self._ready[s].record(h2d)
         self.slots.block_in_slot[s] = block
         self._used[s] = False

@@ -7,8 +7,14 @@ slot: the module object itself runs, so every per-layer attribute it owns (its `
 ``sliding_window``, attention sinks) is its own, never another layer's. Binding swaps entries of each
 submodule's ``_parameters`` dict for the duration of one call and restores the host Parameters after.
 
+In a compute dtype narrower than fp32 each slot also holds the block's weights of one dimension (norm
+gains, biases) in fp32, copied from the staged fp32 masters: Lightning's own bf16-mixed keeps those fp32,
+and the ops that read them (norms, adds) run outside autocast's casts, so a bf16 copy would round what they
+see (a gain near 1 to steps of 2^-8) and their gradients.
+
 Memory: ``depth`` x ``max_block_numel`` x compute-dtype bytes for the rotating slots, each cached block's
-own size for its fixed slot, and one fp32 staging buffer of ``max_block_numel`` when casting on device.
+own size for its fixed slot, one fp32 staging buffer of ``max_block_numel`` when casting on device, and
+per slot the fp32 one-dimensional weights (``wide_numel``: 47 KB for a Qwen2.5-7B layer).
 """
 
 from __future__ import annotations
@@ -56,10 +62,10 @@ class BlockBinding:
     @contextmanager
     def bound(self, tensors: Sequence[torch.Tensor], check: bool = False) -> Iterator[None]:
         """Run the block with ``tensors`` (layout order) in place of its parameters. Weights of one
-        dimension (norm gains, biases) narrower than fp32 are bound as fp32 casts of the slot (the values
-        are the same): what ops outside autocast's lists see under Lightning's own bf16-mixed, whose
-        weights are fp32 (CPU layer norms refuse a bf16 weight with an fp32 input). ``check``: record
-        the buffers' versions, for :meth:`mutated_buffers`."""
+        dimension (norm gains, biases) still narrower than fp32 (a slot without fp32 copies of them: the
+        host holds them narrow) are bound as fp32 casts: what ops outside autocast's lists see under
+        Lightning's own bf16-mixed, whose weights are fp32 (CPU layer norms refuse a bf16 weight with an
+        fp32 input). ``check``: record the buffers' versions, for :meth:`mutated_buffers`."""
         for sites, t in zip(self.param_sites, tensors):
             if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()  # differentiable: the gradient reaches the slot's leaf
@@ -100,6 +106,7 @@ class DeviceSlots:
         device: torch.device,
         fixed: Sequence[tuple[int, int]] = (),
         master_dtype: torch.dtype = torch.float32,
+        wide_numel: int = 0,
     ) -> None:
         if depth < 2:
             raise ValueError(f"slots={depth}: at least 2 device slots are needed to overlap copy and compute")
@@ -113,6 +120,10 @@ class DeviceSlots:
         for block, n in fixed:
             self.fixed[block] = len(self.buffers)
             self.buffers.append(torch.empty(n, dtype=dtype, device=device))
+        # Buffer lifetime of both: the slot's; refilled with it (prefetch.py).
+        narrow = dtype.itemsize < 4 and wide_numel > 0
+        self.wide: list[torch.Tensor | None] = [
+            torch.empty(wide_numel, dtype=torch.float32, device=device) if narrow else None for _ in self.buffers]
         needs_staging = dtype != master_dtype  # bf16 masters (host_state="compact") under bf16: none
         self.staging = torch.empty(numel, dtype=master_dtype, device=device) if needs_staging else None
         self._other_staging: dict[torch.dtype, torch.Tensor] = {}  # frozen weights of yet another dtype
@@ -130,7 +141,7 @@ class DeviceSlots:
         return self._other_staging[dtype]
 
     def close(self) -> None:
-        self.buffers, self.staging, self._other_staging = [], None, {}
+        self.buffers, self.wide, self.staging, self._other_staging = [], [], None, {}
 
     def invalidate(self) -> None:
         """Forget what each slot holds (after the masters changed)."""

@@ -83,9 +83,36 @@ class FlatLayout:
             cursor = _align(cursor + p.numel(), self.ALIGN_ELEMS)
         self.numel = max(cursor, self.ALIGN_ELEMS)
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``flat`` shaped like each parameter, in layout order."""
-        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+        # Weights of one dimension (norm gains, biases): in a narrow compute dtype a device slot also holds
+        # them in fp32 (``wide``), packed in layout order at ``wide_offsets`` (see engine/slots.py).
+        self.wide: list[int] = [i for i, p in enumerate(self.params) if p.dim() < 2]
+        self.wide_offsets: list[int] = []
+        cursor = 0
+        for i in self.wide:
+            self.wide_offsets.append(cursor)
+            cursor = _align(cursor + self.params[i].numel(), self.ALIGN_ELEMS)
+        self.wide_numel = cursor
+
+    def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each parameter, in layout order; with ``wide``, the weights of one
+        dimension view ``wide`` instead (their fp32 copies)."""
+        out = [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+        if wide is not None:
+            for i, w in zip(self.wide, self.wide_offsets):
+                out[i] = wide[w : w + self.params[i].numel()].view(self.params[i].shape)
+        return out
+
+    def wide_pairs(self, wide: torch.Tensor, flat: torch.Tensor, start: int, end: int
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations in ``wide``, sources in ``flat``) of the one-dimensional weights that lie in
+        ``flat[start:end]``: what a copy into ``wide`` consists of."""
+        dst, src = [], []
+        for i, w in zip(self.wide, self.wide_offsets):
+            o, n = self.offsets[i], self.params[i].numel()
+            if start <= o < end:
+                dst.append(wide[w : w + n])
+                src.append(flat[o : o + n])
+        return dst, src
 
 
 _FROZEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -171,6 +198,7 @@ class FlatStore:
         # bf16 gradients on their way into an update (see :meth:`hold_half_grad`), and the store's own
         # pinned buffer for them (allocated on first need, when no pooled buffer is lent)
         self.half_grad: torch.Tensor | None = None
+        self.half_wide: torch.Tensor | None = None  # fp32 gradients of the one-dimensional weights beside it
         self._own_half_grad: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
@@ -274,20 +302,44 @@ class FlatStore:
         Why bf16: a block computed in bf16 has bf16 gradients; they widen to fp32 without loss, so they
         can travel and wait in host memory at half the bytes and be widened inside the update instead
         (``optim/adam.py``): half the pinned gradient memory and device→host bytes.
+
+        The fp32 gradients of the one-dimensional weights (``FlatLayout.wide``: their device copies are
+        fp32, engine/slots.py) travel beside them, in the same buffer past the bf16 region
+        (:meth:`half_wide_offset`), as ``half_wide``; the update reads them there. Returns the fp32 buffer
+        that holds both, what one device->host copy fills.
         """
         assert self.half_grad is None, "the store holds bf16 gradients not yet used"
-        n = self.train_numel
+        n, h, w = self.train_numel, self.half_wide_offset(), self.layout.wide_numel
         if lent is not None:
-            buf = lent.view(torch.bfloat16)[:n]
+            buf = lent[: h + w]
         else:
             if self._own_half_grad is None:
-                self._own_half_grad = self._pins.empty(n, torch.bfloat16)
+                self._own_half_grad = self._pins.empty(h + w)
             buf = self._own_half_grad
-        self.half_grad = buf
-        return buf
+        self.half_grad = buf.view(torch.bfloat16)[:n]
+        self.half_wide = buf[h : h + w]
+        return buf[: h + w]
+
+    def half_wide_offset(self) -> int:
+        """Where, in fp32 elements of a gradient buffer holding bf16 gradients, the one-dimensional weights'
+        fp32 gradients start: past the ``train_numel`` bf16 ones, aligned. A store can hold bf16
+        gradients when that region ends within ``train_numel`` (:meth:`can_hold_half`)."""
+        return _align((self.train_numel + 1) // 2, FlatLayout.ALIGN_ELEMS)
+
+    def can_hold_half(self) -> bool:
+        """Whether the bf16 gradients and the fp32 ones of the one-dimensional weights fit in
+        ``train_numel`` fp32 elements (a lent buffer's, a gradient slab's size)."""
+        return self.half_wide_offset() + self.layout.wide_numel <= self.train_numel
+
+    def wide_train_views(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Layout index -> view of ``flat`` (packed fp32, ``wide_numel`` long) of each trainable
+        one-dimensional weight."""
+        return {i: flat[w : w + self.layout.params[i].numel()].view(self.layout.params[i].shape)
+                for i, w in zip(self.layout.wide, self.layout.wide_offsets) if i < self.n_trainable}
 
     def drop_half_grad(self) -> None:
         self.half_grad = None
+        self.half_wide = None
 
     def moment_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's first and second moments, zero-initialised on first use (pageable: never copied).

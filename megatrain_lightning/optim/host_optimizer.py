@@ -110,12 +110,15 @@ class _Range:
         offsets = store.layout.offsets
         own = store.grad_views if store.grad is not None else None
         src = store.half_grad if store.half_grad is not None else store.grad  # the store's own gradients
+        wide = store.wide_train_views(store.half_wide) if store.half_wide is not None else {}
         out: list[Piece] = []
         steps: list[torch.Tensor] = []
         last: tuple[int, bool] | None = None  # (layout index, own gradient?) of the last parameter taken
         for i, p in zip(self.indices, self.params):
             start, end = offsets[i], offsets[i] + p.numel()
-            if store.half_grad is not None:
+            if store.half_grad is not None and i in wide:  # fp32, beside the bf16 ones (FlatStore.hold_half_grad)
+                grad, is_own = wide[i].view(-1), False
+            elif store.half_grad is not None:
                 grad, is_own = store.half_grad[start:end], True
             elif p.grad is None:
                 continue

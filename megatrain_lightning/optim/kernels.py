@@ -5,7 +5,8 @@ Three kinds of update, each with a torch reference and, where it builds, the one
 
 * fp32 state, fp32 gradients: torch's fused AdamW (``adam.step_fp32``); nothing faster exists.
 * fp32 state, bf16 gradients (``FlatStore.hold_half_grad``): the native kernel widens in a register,
-  else ``adam.step_half_chunked`` widens chunk by chunk.
+  else ``adam.step_half_chunked`` widens chunk by chunk; the fp32 gradients of the one-dimensional
+  weights held beside them go through the fused AdamW.
 * compact state: the native kernel, with each span's tail (under 16 elements: torch's scalar loop)
   through ``compact.step_compact_chunked``, which does the whole span where the kernel is unavailable.
 """
@@ -29,8 +30,9 @@ def update(store: FlatStore, pieces: Sequence[Piece], hyper: AdamHyper) -> None:
     ea, eas = store.moment_buffers()
     if store.compact:
         step_compact(store.master, store.master_low, ea, eas, pieces, hyper)
-    elif store.half_grad is not None:
-        step_half(store.master, ea, eas, store.half_grad, pieces, hyper)
+    elif store.half_grad is not None:  # the one-dimensional weights' gradients beside them are fp32
+        step_half(store.master, ea, eas, store.half_grad, [p for p in pieces if p.grad.dtype != torch.float32], hyper)
+        step_fp32(store.master, ea, eas, [p for p in pieces if p.grad.dtype == torch.float32], hyper)
     else:
         step_fp32(store.master, ea, eas, pieces, hyper)
 
