@@ -29,6 +29,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
 from megatrain_lightning.plan import GB, Plan, check_baseline_host, device_state_warning, plan_from_config, verdict
+from megatrain_lightning.plan.placement import placement_line
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,10 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
     bytes of training state it counts."""
     if _is_megatrain(cfg.strategy):
         plan = plan_from_config(cfg, refuse_device=False)
+        if plan.chosen:  # the strategy is built with the placement the plan was made for
+            for field in plan.chosen:
+                cfg.strategy.engine[field] = getattr(plan.run.engine, field)
+            log.info("%s", placement_line(plan.run.engine, plan.chosen))
         log.info("%s", verdict(plan))
         if plan.moe_warning:
             log.warning("%s", plan.moe_warning)

@@ -18,6 +18,11 @@ HOST_STATES: tuple[str, ...] = ("fp32", "compact")
 KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
 SAVED_INPUTS_DTYPES: tuple[str, ...] = ("input", "compute")
 
+# The placement fields: None means "choose for this run" (plan/placement.py; see EngineConfig).
+PLACEMENT_FIELDS: tuple[str, ...] = ("slots", "keep_activations", "kept_saves", "cache_weights", "offload_inputs")
+# What a None placement field becomes where nothing chooses: every block streamed, nothing kept or offloaded.
+STREAMING = {"slots": 2, "keep_activations": 0, "kept_saves": "all", "cache_weights": 0, "offload_inputs": False}
+
 # grad_buffers=None: the pool used when a run's own gradient accumulators would not leave a tenth of the host
 # memory free (see grad_buffers_for).
 AUTO_POOL = 4
@@ -27,6 +32,13 @@ AUTO_POOL = 4
 class EngineConfig:
     """How a run places its memory and overlaps its work. Every choice gives the same result bit for bit,
     except ``host_state``; they trade device memory, host memory and link bytes for speed.
+
+    The placement fields (``slots``, ``keep_activations``, ``kept_saves``, ``cache_weights``,
+    ``offload_inputs``) may be None: chosen for the run. ``train.py`` on a CUDA profile chooses them through
+    the planner's memory and time model (``plan/placement.py``) from the model's shapes, the tokens per
+    micro-batch and the device memory, and logs its choice; the planner CLI prints the same. Elsewhere (the
+    CPU, or a strategy built in Python) None is the streaming placement: 2 slots, nothing kept, cached or
+    offloaded (:data:`STREAMING`). A value set explicitly is always used as it is.
 
     Args:
         slots: rotating device weight buffers (>= 2), one block each. Two double-buffer (block i+1 is
@@ -91,11 +103,11 @@ class EngineConfig:
             engine can look at the weights between steps (see ``MegaTrainStrategy``).
     """
 
-    slots: int = 2
-    keep_activations: int = 0
-    kept_saves: KeptSaves = "all"
-    cache_weights: int = 0
-    offload_inputs: bool | int = False
+    slots: int | None = 2
+    keep_activations: int | None = 0
+    kept_saves: KeptSaves | None = "all"
+    cache_weights: int | None = 0
+    offload_inputs: bool | int | None = False
     saved_inputs_dtype: SavedInputsDtype = "input"
     host_state: HostState = "fp32"
     grad_buffers: int | None = None
@@ -107,15 +119,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if not isinstance(self.slots, int) or self.slots < 2:
+        if self.slots is None:
+            pass
+        elif not isinstance(self.slots, int) or self.slots < 2:
             problems.append(f"slots={self.slots!r}: at least 2 device slots are needed to overlap copies and compute")
         for name in ("keep_activations", "cache_weights"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if value is not None and (not isinstance(value, int) or value < 0):
                 problems.append(f"{name}={value!r}: a number of blocks, >= 0")
-        if self.kept_saves not in KEPT_SAVES:
+        if self.kept_saves is not None and self.kept_saves not in KEPT_SAVES:
             problems.append(f"kept_saves={self.kept_saves!r}: expected one of {KEPT_SAVES}")
-        if isinstance(self.offload_inputs, bool):
+        if self.offload_inputs is None or isinstance(self.offload_inputs, bool):
             pass
         elif not isinstance(self.offload_inputs, int) or self.offload_inputs < 0:
             problems.append(f"offload_inputs={self.offload_inputs!r}: True (every recomputed block), False, or a "
@@ -131,11 +145,20 @@ class EngineConfig:
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 
+    @property
+    def unset(self) -> tuple[str, ...]:
+        """The placement fields left to choose (None)."""
+        return tuple(f for f in PLACEMENT_FIELDS if getattr(self, f) is None)
+
+    def filled(self) -> EngineConfig:
+        """This config with every unset placement field at its streaming value (:data:`STREAMING`)."""
+        return dataclasses.replace(self, **{f: STREAMING[f] for f in self.unset}) if self.unset else self
+
     def for_blocks(self, n_blocks: int) -> EngineConfig:
         """This config with the block counts clamped to a model of ``n_blocks`` blocks."""
-        return dataclasses.replace(
-            self, keep_activations=min(self.keep_activations, n_blocks), cache_weights=min(self.cache_weights, n_blocks)
-        )
+        k, c = self.keep_activations, self.cache_weights
+        return dataclasses.replace(self, keep_activations=None if k is None else min(k, n_blocks),
+                                   cache_weights=None if c is None else min(c, n_blocks))
 
     def offloaded_blocks(self, n_blocks: int) -> int:
         """How many blocks park their saved inputs on the host: the first ones among the recomputed

@@ -57,7 +57,7 @@ def _own_running() -> int:
     return max(running, 1)  # the reading thread itself
 
 
-def busy_elsewhere(samples: int = 5, interval_s: float = 0.01) -> int:
+def busy_elsewhere(samples: int = 3, interval_s: float = 0.005) -> int:
     """How many threads of other processes are running now: the median over ``samples`` readings of the
     kernel's count of runnable threads (``procs_running``, /proc/stat) less this process's own. 0 where
     /proc cannot be read."""

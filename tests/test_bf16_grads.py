@@ -113,7 +113,7 @@ def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
     """The bf16-gradient update (one-pass kernel, or chunked widening) against ``step_fp32`` on widened
     gradients, bit for bit, with parameter sizes that are not multiples of 16 (vector tails) and chunks
     that cut parameters."""
-    from megatrain_lightning.engine.store import FlatLayout
+    from megatrain_lightning.engine.layout import FlatLayout
     from megatrain_lightning.optim.adam import AdamHyper, Piece, step_fp32, step_half_chunked
 
     g = torch.Generator().manual_seed(0)

@@ -178,7 +178,7 @@ def test_experiments_only_list_changes() -> None:
     ("trainer.max_steps=abc", "trainer.max_steps='abc': expected an integer (Trainer's max_steps is int), e.g. trainer.max_steps=-1"),
     ("trainer.precision=31", "trainer.precision=31: expected one of"),
     ("model.lr=fast", "model.lr='fast': expected a number (CausalLM's lr is float), e.g. model.lr=0.0003"),
-    ("strategy.engine.slots=two", "strategy.engine.slots='two': expected an integer (EngineConfig's slots is int)"),
+    ("strategy.engine.slots=two", "strategy.engine.slots='two': expected an integer or null (EngineConfig's slots is int | None)"),
     ("strategy.meta_init=maybe", "strategy.meta_init='maybe': expected true or false"),
     ("data.batch_size=[1,2]", "data.batch_size=[1, 2]: expected an integer"),
     ("+data.batch_sise=4", "data.batch_sise: ArithmeticDataModule has no parameter 'batch_sise' (did you mean data.batch_size?)"),

@@ -169,8 +169,10 @@ def _plan(*overrides: str, refuse_device: bool = True):
     from megatrain_lightning.plan import plan_from_config
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        # the streaming placement: these figures are about the saved inputs (train.py would also cache weights)
         cfg = compose(config_name="train", overrides=["data=synthetic", "model=qwen2_5_7b", "experiment=long_context",
-                                                      *overrides])
+                                                      "strategy.engine.keep_activations=0",
+                                                      "strategy.engine.cache_weights=0", *overrides])
     return plan_from_config(cfg, refuse_device=refuse_device)
 
 

@@ -1,6 +1,6 @@
 """Framework-free streaming core: nothing in this subpackage imports Lightning (a test checks it).
 
-Modules, in the order data flows through them: ``store`` (flat host buffers), ``materialize`` (meta
+Modules, in the order data flows through them: ``layout`` and ``store`` (flat host buffers), ``materialize`` (meta
 models built into the store), ``streams``, ``slots`` and ``prefetch`` (weights onto the device),
 ``block``, ``selective`` and ``side_outputs`` (the streamed-block autograd Function, what it records), ``offload`` (saved inputs parked on
 the host), ``resident`` (embeddings and head), ``grads`` (gradients home), ``host_worker`` and
@@ -10,7 +10,8 @@ the host), ``resident`` (embeddings and head), ``grads`` (gradients home), ``hos
 from .engine import StreamingEngine
 from .phase import Phase
 from .resident import RESIDENT, RESIDENT_AFTER
+from .layout import FlatLayout
 from .stats import EngineStats
-from .store import FlatLayout, FlatStore
+from .store import FlatStore
 
 __all__ = ["StreamingEngine", "Phase", "EngineStats", "FlatLayout", "FlatStore", "RESIDENT", "RESIDENT_AFTER"]

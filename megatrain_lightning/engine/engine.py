@@ -65,7 +65,7 @@ class StreamingEngine:
     def __init__(self, root: nn.Module, blocks: Sequence[nn.Module], device: torch.device,
                  compute_dtype: torch.dtype = torch.float32, config: EngineConfig | None = None,
                  init: InitFn | None = None, replicas: Replicas | None = None) -> None:
-        config = config or EngineConfig()
+        config = (config or EngineConfig()).filled()  # a placement nobody chose: streaming (config.STREAMING)
         n_blocks = len(blocks)
         for name in ("keep_activations", "cache_weights"):
             if getattr(config, name) > n_blocks:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .host_buffers import PinnedRegistry
-from .store import FlatStore, HostState, frozen_dtype, region_split, trainable_first
+from .layout import region_split, trainable_first
+from .store import FlatStore, HostState, frozen_dtype
 
 InitFn = Callable[[Sequence[nn.Module]], None]
 

@@ -36,9 +36,7 @@ from torch import nn
 
 from ..config import HOST_STATES, HostState
 from .host_buffers import PinnedRegistry
-
-ALIGN_BYTES = 64
-
+from .layout import FlatLayout, align, region_split, trainable_first
 
 def join_fp32(hi: torch.Tensor, lo: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor) -> None:
     """fp32 bit patterns (``bits``, int32) from a bf16 high half ``hi`` and an int16 low half ``lo``.
@@ -59,60 +57,6 @@ def split_fp32(bits: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, tmp: torc
     torch.add(bits, 0x8000, out=tmp)
     tmp.bitwise_right_shift_(16)  # arithmetic shift: the rounded high half, in int16 range
     hi.view(torch.int16).copy_(tmp)
-
-
-def _align(n: int, elems: int) -> int:
-    return (n + elems - 1) // elems * elems
-
-
-class FlatLayout:
-    """Offsets of a list of parameters inside one flat buffer.
-
-    Every parameter starts at a multiple of 16 elements: 64 bytes in fp32, 32 in bf16, so every view
-    is aligned for vectorised host kernels and device copies.
-    """
-
-    ALIGN_ELEMS = ALIGN_BYTES // 4
-
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
-        self.params: list[nn.Parameter] = list(params)
-        self.offsets: list[int] = []
-        cursor = 0
-        for p in self.params:
-            self.offsets.append(cursor)
-            cursor = _align(cursor + p.numel(), self.ALIGN_ELEMS)
-        self.numel = max(cursor, self.ALIGN_ELEMS)
-
-        # Weights of one dimension (norm gains, biases): in a narrow compute dtype a device slot also holds
-        # them in fp32 (``wide``), packed in layout order at ``wide_offsets`` (see engine/slots.py).
-        self.wide: list[int] = [i for i, p in enumerate(self.params) if p.dim() < 2]
-        self.wide_offsets: list[int] = []
-        cursor = 0
-        for i in self.wide:
-            self.wide_offsets.append(cursor)
-            cursor = _align(cursor + self.params[i].numel(), self.ALIGN_ELEMS)
-        self.wide_numel = cursor
-
-    def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Views of ``flat`` shaped like each parameter, in layout order; with ``wide``, the weights of one
-        dimension view ``wide`` instead (their fp32 copies)."""
-        out = [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
-        if wide is not None:
-            for i, w in zip(self.wide, self.wide_offsets):
-                out[i] = wide[w : w + self.params[i].numel()].view(self.params[i].shape)
-        return out
-
-    def wide_pairs(self, wide: torch.Tensor, flat: torch.Tensor, start: int, end: int
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(destinations in ``wide``, sources in ``flat``) of the one-dimensional weights that lie in
-        ``flat[start:end]``: what a copy into ``wide`` consists of."""
-        dst, src = [], []
-        for i, w in zip(self.wide, self.wide_offsets):
-            o, n = self.offsets[i], self.params[i].numel()
-            if start <= o < end:
-                dst.append(wide[w : w + n])
-                src.append(flat[o : o + n])
-        return dst, src
 
 
 _FROZEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -324,7 +268,7 @@ class FlatStore:
         """Where, in fp32 elements of a gradient buffer holding bf16 gradients, the one-dimensional weights'
         fp32 gradients start: past the ``train_numel`` bf16 ones, aligned. A store can hold bf16
         gradients when that region ends within ``train_numel`` (:meth:`can_hold_half`)."""
-        return _align((self.train_numel + 1) // 2, FlatLayout.ALIGN_ELEMS)
+        return align((self.train_numel + 1) // 2, FlatLayout.ALIGN_ELEMS)
 
     def can_hold_half(self) -> bool:
         """Whether the bf16 gradients and the fp32 ones of the one-dimensional weights fit in
@@ -423,18 +367,3 @@ class FlatStore:
                         view.copy_(g)
                         p.grad = view
         return new
-
-
-def trainable_first(params: Sequence[nn.Parameter], trainable: set[int] | None) -> tuple[FlatLayout, int]:
-    """The layout with the trainable parameters first (each group in its given order), and their count."""
-    ids = {id(p) for p in params if p.requires_grad} if trainable is None else trainable
-    train = [p for p in params if id(p) in ids]
-    rest = [p for p in params if id(p) not in ids]
-    return FlatLayout(train + rest), len(train)
-
-
-def region_split(layout: FlatLayout, n_trainable: int) -> int:
-    """Where the frozen region starts: the aligned end of the trainable parameters."""
-    if n_trainable == len(layout.params):
-        return layout.numel
-    return layout.offsets[n_trainable]

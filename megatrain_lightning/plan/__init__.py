@@ -5,7 +5,8 @@
 Everything here is arithmetic on a :class:`PlanShape` (counts and widths read off a meta-device model), a
 :class:`Workload`, an :class:`~megatrain_lightning.config.EngineConfig` and a hardware profile's ceilings.
 Modules: ``shape``, ``run`` (workload + engine config), ``memory`` (bytes), ``timing`` (seconds), ``fit``
-(the plan and the one fit check), ``report`` (the table), ``from_config`` (a composed ``conf/`` config).
+(the plan and the one fit check), ``placement`` (the placement chosen where a config leaves it open),
+``report`` (the table), ``from_config`` (a composed ``conf/`` config).
 Lightning-free.
 """
 

@@ -45,6 +45,7 @@ class Plan:
     max_micro_batch: int  # at the run's seq_len
     max_seq_len: int  # at the run's micro-batch (device and host memory)
     needs_offload: int | None = None  # the fewest offload_inputs blocks this shape fits with (None: none fits)
+    chosen: tuple[str, ...] = ()  # placement fields the planner chose (plan/placement.py)
     longest: Any = None  # plan.context.Context: the longest sequence at this micro-batch, offloading what it must
     moe_warning: str | None = None  # a mixture of experts bound by host work (plan/experts.py)
 
@@ -61,7 +62,7 @@ def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: Hardware
     """``engine``'s automatic choices as the strategy will make them on ``hw``: ``grad_buffers`` by the one
     policy (``config.grad_buffers_for``), ``bf16_grads=None`` as on (the one-pass kernel assumed to build
     on the target). ``older``: :class:`Run`'s ``compact_native`` / ``head_in_backward``."""
-    engine = engine.for_blocks(shape.layers)
+    engine = engine.filled().for_blocks(shape.layers)
     if engine.bf16_grads is None:
         engine = dataclasses.replace(engine, bf16_grads=True)
     if engine.grad_buffers is None:
@@ -252,6 +253,7 @@ def check_host_at_setup(model: str, shape: PlanShape, engine: EngineConfig, accu
     store (masters, frozen weights, moments) and each holds its own gradients and staging; that store lives
     in ``tmpfs`` (its directory, free bytes), checked too: a tmpfs that runs out mid-write kills the process
     (SIGBUS) rather than raising. Returns the bytes needed."""
+    engine = engine.filled()
     if engine.grad_buffers is None:
         engine = dataclasses.replace(engine, grad_buffers=4)
     run = Run(Workload(micro_batch=1, seq_len=1, accumulate=accumulate, bf16=False, clip=clip),

@@ -1,14 +1,17 @@
 """The plan of a composed training config (``conf/``), as ``train.py`` would run it: the model on the meta
-device only, the hardware profile resolved, the strategy's EngineConfig instantiated."""
+device only, the hardware profile resolved, the strategy's EngineConfig instantiated and its open placement
+fields chosen (``placement.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..hardware import resolve_hardware
 from .fit import Plan, make_plan, resolve
+from .placement import choose_placement
 from .run import Workload
 from .shape import PlanShape
 
@@ -69,5 +72,7 @@ def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bo
     hw = resolve_hardware(cfg)
     shape = shape or model_shape(cfg)
     precision = str(cfg.trainer.get("precision") or hw.precision) if cfg.get("trainer") is not None else str(hw.precision)
-    run = resolve(shape, workload(cfg, precision.startswith("bf16")), engine_config(cfg), hw, **older)
-    return make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
+    work, requested = workload(cfg, precision.startswith("bf16")), engine_config(cfg)
+    run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, **older)
+    plan = make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
+    return dataclasses.replace(plan, chosen=requested.unset if hw.accelerator == "cuda" else ())

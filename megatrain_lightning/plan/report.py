@@ -5,6 +5,7 @@ from __future__ import annotations
 from .experts import plan_note
 from .fit import Plan, ways_to_fit
 from .memory import GB, GIB
+from .placement import placement_line
 from .timing import MATMUL_EFFICIENCY
 
 
@@ -36,6 +37,7 @@ def format_plan(plan: Plan) -> str:
         f"engine: slots {e.slots}, keep {e.keep_activations} ({e.kept_saves}), cache {e.cache_weights}, offload inputs "
         f"{e.offload_inputs} ({e.offloaded_blocks(s.layers)} blocks, saved in {e.saved_inputs_dtype} dtype), host state "
         f"{e.host_state}, grad buffers {e.grad_buffers}, bf16 grads {e.bf16_grads}",
+        *([placement_line(e, plan.chosen)] if plan.chosen else []),
         "",
         f"{'host memory':<44}{'GB':>10}{'B/param':>10}",
     ]

@@ -1,0 +1,84 @@
+"""How a block's parameters lie in one flat buffer: aligned offsets, the trainable ones first, and the
+one-dimensional weights (norm gains, biases) that a device slot also holds in fp32.
+
+The host store (``store.py``), its gradients and moments, the device slots (``slots.py``) and the
+gradient slabs all use one :class:`FlatLayout`, so that one copy moves a whole block either way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+ALIGN_BYTES = 64
+
+
+def align(n: int, elems: int) -> int:
+    return (n + elems - 1) // elems * elems
+
+
+class FlatLayout:
+    """Offsets of a list of parameters inside one flat buffer.
+
+    Every parameter starts at a multiple of 16 elements: 64 bytes in fp32, 32 in bf16, so every view
+    is aligned for vectorised host kernels and device copies.
+    """
+
+    ALIGN_ELEMS = ALIGN_BYTES // 4
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params: list[nn.Parameter] = list(params)
+        self.offsets: list[int] = []
+        cursor = 0
+        for p in self.params:
+            self.offsets.append(cursor)
+            cursor = align(cursor + p.numel(), self.ALIGN_ELEMS)
+        self.numel = max(cursor, self.ALIGN_ELEMS)
+
+        # Weights of one dimension (norm gains, biases): in a narrow compute dtype a device slot also holds
+        # them in fp32 (``wide``), packed in layout order at ``wide_offsets`` (see engine/slots.py).
+        self.wide: list[int] = [i for i, p in enumerate(self.params) if p.dim() < 2]
+        self.wide_offsets: list[int] = []
+        cursor = 0
+        for i in self.wide:
+            self.wide_offsets.append(cursor)
+            cursor = align(cursor + self.params[i].numel(), self.ALIGN_ELEMS)
+        self.wide_numel = cursor
+
+    def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each parameter, in layout order; with ``wide``, the weights of one
+        dimension view ``wide`` instead (their fp32 copies)."""
+        out = [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+        if wide is not None:
+            for i, w in zip(self.wide, self.wide_offsets):
+                out[i] = wide[w : w + self.params[i].numel()].view(self.params[i].shape)
+        return out
+
+    def wide_pairs(self, wide: torch.Tensor, flat: torch.Tensor, start: int, end: int
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations in ``wide``, sources in ``flat``) of the one-dimensional weights that lie in
+        ``flat[start:end]``: what a copy into ``wide`` consists of."""
+        dst, src = [], []
+        for i, w in zip(self.wide, self.wide_offsets):
+            o, n = self.offsets[i], self.params[i].numel()
+            if start <= o < end:
+                dst.append(wide[w : w + n])
+                src.append(flat[o : o + n])
+        return dst, src
+
+
+def trainable_first(params: Sequence[nn.Parameter], trainable: set[int] | None) -> tuple[FlatLayout, int]:
+    """The layout with the trainable parameters first (each group in its given order), and their count."""
+    ids = {id(p) for p in params if p.requires_grad} if trainable is None else trainable
+    train = [p for p in params if id(p) in ids]
+    rest = [p for p in params if id(p) not in ids]
+    return FlatLayout(train + rest), len(train)
+
+
+def region_split(layout: FlatLayout, n_trainable: int) -> int:
+    """Where the frozen region starts: the aligned end of the trainable parameters."""
+    if n_trainable == len(layout.params):
+        return layout.numel
+    return layout.offsets[n_trainable]

@@ -1,0 +1,90 @@
+"""The placement the planner chooses for a run whose ``strategy.engine`` leaves it open (None fields).
+
+Which blocks keep their activations (and what they save), which keep their weights on the device, and how
+many saved inputs go to the host, are chosen here from the planner's own memory and time models
+(``memory.py``, ``timing.py``; their device peak was within -0.3 to +2.7 % of the allocator's on the H200
+runs of ``recipes/results/2026-11-30-planner-vs-measured.md``): every candidate that fits
+:data:`HEADROOM` of the device is timed and the fastest taken. Per number of kept blocks the most weights
+that still fit are cached (their copies then happen once per step); saved inputs are offloaded only when
+nothing else fits, and then as few as fit (``context.smallest_offload``). Selective saves (``"matmuls"``)
+are taken only when they predict a step at least :data:`MATMULS_MARGIN` faster: the model does not charge
+the elementwise recompute they cost (a few percent of a kept block's time, ``engine/selective.py``).
+
+Only for a CUDA profile: on the CPU the device is the host, and the streaming placement is kept
+(``config.STREAMING``). A field the user set is never changed. Lightning-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import EngineConfig
+from ..hardware import HardwareProfile
+from .context import smallest_offload
+from .fit import resolve
+from .memory import GB, device_available, fits_memory, gpu_bytes, gpu_peak, pinned_bytes
+from .run import Workload
+from .shape import PlanShape
+from .timing import step_times
+
+# The fraction of the device's memory a chosen placement may plan for: the rest covers the allocator's
+# fragmentation (reserved exceeded allocated by 2.6 % at 7B, 3.2 % at 3B) and the planner's error.
+HEADROOM = 0.92
+MATMULS_MARGIN = 0.03
+
+
+def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile,
+                     headroom: float = HEADROOM) -> EngineConfig:
+    """``engine`` with its unset placement fields chosen for ``work`` on ``hw`` (see the module docstring);
+    the streaming values where nothing fits (the plan then says why) or off CUDA."""
+    unset = set(engine.unset)
+    if not unset or hw.accelerator != "cuda":
+        return engine.filled()
+    budget, host = device_available(hw) * headroom, hw.host_memory_gb * GB
+    layers = shape.layers
+
+    def fits(cand: EngineConfig) -> bool:
+        return fits_memory(shape, resolve(shape, work, cand, hw), budget, host)
+
+    # grad_buffers and bf16_grads resolved once: the placement does not change the host footprint they
+    # depend on (but for offloaded inputs, decided first), and resolving them per candidate is most of the cost
+    engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw).engine, f)
+                                            for f in ("grad_buffers", "bf16_grads")})
+    offload = engine.offload_inputs
+    if "offload_inputs" in unset:  # only where the streaming placement itself does not fit: the fewest that do
+        streaming = dataclasses.replace(engine, keep_activations=0, cache_weights=0, offload_inputs=0).filled()
+        offload = 0 if fits(streaming) else smallest_offload(shape, resolve(shape, work, streaming, hw), budget, host)
+        if offload is None:
+            return engine.filled()
+    best: tuple[float, float, EngineConfig] | None = None
+    for saves in (["all", "matmuls"] if "kept_saves" in unset else [engine.kept_saves]):
+        for slots in ([2, 3] if "slots" in unset else [engine.slots]):
+            base = dataclasses.replace(engine, slots=slots, kept_saves=saves)
+            keeps = range(layers, -1, -1) if "keep_activations" in unset else [engine.keep_activations]
+            for keep in keeps:
+                cand = dataclasses.replace(base, keep_activations=keep, offload_inputs=offload)
+                if "cache_weights" in unset:
+                    cand = dataclasses.replace(cand, cache_weights=keep)
+                if not fits(cand):
+                    continue
+                if "cache_weights" in unset:  # the most cached weights that still fit (memory grows with them)
+                    lo, hi = keep, layers
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if fits(dataclasses.replace(cand, cache_weights=mid)) else (lo, mid - 1)
+                    cand = dataclasses.replace(cand, cache_weights=lo)
+                cand = cand.filled()
+                run = resolve(shape, work, cand, hw)
+                pinned_ok = pinned_bytes(shape, run) <= hw.pinned_budget_gb * GB
+                step = step_times(shape, run, hw, pinned_ok)["step"] * (1 + MATMULS_MARGIN * (saves == "matmuls"))
+                key = (step, gpu_peak(gpu_bytes(shape, run)))
+                if best is None or key < best[:2]:
+                    best = (*key, cand)
+    return best[2] if best is not None else engine.filled()
+
+
+def placement_line(engine: EngineConfig, chosen: tuple[str, ...]) -> str:
+    """One line naming the chosen fields and their values, for the log and the planner's table."""
+    values = ", ".join(f"{f}={getattr(engine, f)}" for f in chosen)
+    return (f"placement chosen by the planner: {values} (set any of them under strategy.engine to choose it "
+            "yourself)")
