@@ -10,7 +10,7 @@ submodule's ``_parameters`` dict for the duration of one call and restores the h
 In a compute dtype narrower than fp32 each slot also holds the block's weights of one dimension (norm
 gains, biases) in fp32, copied from the staged fp32 masters: Lightning's own bf16-mixed keeps those fp32,
 and the ops that read them (norms, adds) run outside autocast's casts, so a bf16 copy would round what they
-see (a gain near 1 to steps of 2^-8) and their gradients.
+see (a gain near 1 to steps of 2^-7) and their gradients.
 
 Memory: ``depth`` x ``max_block_numel`` x compute-dtype bytes for the rotating slots, each cached block's
 own size for its fixed slot, one fp32 staging buffer of ``max_block_numel`` when casting on device, and

@@ -38,6 +38,7 @@ from ..config import HOST_STATES, HostState
 from .host_buffers import PinnedRegistry
 from .layout import FlatLayout, align, region_split, trainable_first
 
+
 def join_fp32(hi: torch.Tensor, lo: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor) -> None:
     """fp32 bit patterns (``bits``, int32) from a bf16 high half ``hi`` and an int16 low half ``lo``.
 
