@@ -31,7 +31,7 @@ from . import params as _params
 from .block_call import streamed_forward
 from .grads import GradPath, Update
 from .host_worker import HostWorker
-from .materialize import InitFn, MetaMaterializer, build_stores
+from .materialize import InitFn, MetaMaterializer, before_blocks, build_stores, finish_stores, place_stores
 from .offload import InputOffload, Stash
 from .phase import Phase, StepState
 from .prefetch import WeightStream
@@ -84,11 +84,19 @@ class StreamingEngine:
         self.root = root
         self.blocks = list(blocks)
 
-        # The host store: a meta-built model is materialised into it block by block.
+        # The host store: a meta-built model is materialised into it block by block, in the module's own
+        # order (what precedes the blocks, an embedding, first: the resident store is laid out first), so
+        # that a seed gives the weights it gives under Lightning's default strategy.
         materializer = MetaMaterializer(init)
+        write = self.replicas.local_rank == 0  # a node's other ranks map its store, the first one fills it
+        names = resident_names(root, self.blocks)
+        resident_groups = lambda: [[root.get_parameter(n) for n in group] for group in names]  # noqa: E731
+        resident_buffers = place_stores(resident_groups(), materializer, self.pins, config.host_state,
+                                        names=["r0", "r1"] if dp else None, write=write)
+        for part in before_blocks(root, self.blocks):
+            materializer(part)
         self.stores: list[FlatStore] = []
         self.bindings: list[BlockBinding] = []
-        write = self.replicas.local_rank == 0  # a node's other ranks map its store, the first one fills it
         for i, block in enumerate(self.blocks):
             store = build_stores(block, lambda b=block: [list(b.parameters())], materializer, self.pins, config.host_state,
                                  names=[f"b{i}"] if dp else None, write=write)[0]
@@ -96,10 +104,8 @@ class StreamingEngine:
             self.stores.append(store)
             self.bindings.append(BlockBinding(block, store.params))
             self.bindings[-1].buffers_to(self.device)
-        names = resident_names(root, self.blocks)
-        resident_stores = build_stores(root, lambda: [[root.get_parameter(n) for n in group] for group in names],
-                                       materializer, self.pins, config.host_state, skip={id(b) for b in self.blocks},
-                                       names=["r0", "r1"] if dp else None, write=write)
+        resident_stores = finish_stores(root, resident_groups, materializer, self.pins, config.host_state,
+                                        resident_buffers, skip={id(b) for b in self.blocks})
         self.resident = ResidentParts(root, self.blocks, resident_stores, self.streams, self.stats, self.updates,
                                       self.state, self._send)
         if self.upcast:
@@ -388,4 +394,5 @@ class StreamingEngine:
 
     def all_stores(self) -> list[FlatStore]:
         return self.stores + [part.store for part in self.resident.parts]
+
 

@@ -40,7 +40,9 @@ class MetaMaterializer:
     def __call__(self, root: nn.Module, skip: Collection[int] = ()) -> list[nn.Module]:
         """Materialise ``root``'s subtree, not descending into modules whose id is in ``skip``.
 
-        Returns the modules that received new tensors (children before parents), already initialised.
+        Returns the modules that received new tensors (children before parents), already initialised. A
+        module whose meta tensors were all materialised before (the head of a tied embedding) is not
+        initialised again: the first initialisation stands, as when a tie is made after construction.
         """
         touched: list[nn.Module] = []
 
@@ -48,15 +50,15 @@ class MetaMaterializer:
             for child in m._modules.values():
                 if child is not None and id(child) not in skip:
                     visit(child)
-            hit = False
+            hit = False  # a new host tensor (not one a tie already materialised and initialised)
             for name, p in list(m._parameters.items()):
                 if p is not None and p.is_meta:
+                    hit |= id(p) not in self._memo
                     m._parameters[name] = self._host(p, lambda t: nn.Parameter(t, requires_grad=p.requires_grad))
-                    hit = True
             for name, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
+                    hit |= id(b) not in self._memo
                     m._buffers[name] = self._host(b, lambda t: t)
-                    hit = True
             if hit:
                 touched.append(m)
 
@@ -95,14 +97,19 @@ def build_stores(
     write: bool = True,
 ) -> list[FlatStore | None]:
     """Materialise ``module`` (not descending into ``skip``) and build one store per group of
-    ``groups_of()`` (None for an empty group; called again after materialising, for the host tensors).
+    ``groups_of()`` (None for an empty group; called again after materialising, for the host tensors):
+    :func:`place_stores` then :func:`finish_stores`."""
+    buffers = place_stores(groups_of(), materializer, pins, host_state, names, write)
+    return finish_stores(module, groups_of, materializer, pins, host_state, buffers, skip)
 
-    fp32 stores are laid out from the meta shapes first (trainable parameters first, as the store lays
-    them out) and the meta parameters become views of the store's buffers, so that initialisation writes
-    the store directly (no second copy of anything).
-    """
+
+def place_stores(groups: list[list[nn.Parameter]], materializer: MetaMaterializer, pins: PinnedRegistry,
+                 host_state: HostState, names: Sequence[str] | None = None, write: bool = True) -> list[dict[str, Any]]:
+    """The host buffers of one store per group, allocated now: fp32 stores are laid out from the meta
+    shapes (trainable parameters first, as the store lays them out) and the meta parameters are placed as
+    views of the store's buffers, so that initialisation, whenever it comes, writes the store directly (no
+    second copy of anything)."""
     buffers: list[dict[str, Any]] = []
-    groups = groups_of()
     names = list(names) if names is not None else [None] * len(groups)
     for params, name in zip(groups, names):
         bufs: dict[str, Any] = {"name": name, "write": write}
@@ -121,6 +128,35 @@ def build_stores(
             materializer.place({id(p): v for p, v in zip(layout.params, views) if p.is_meta})
             bufs.update(master=master, frozen=frozen)
         buffers.append(bufs)
+    return buffers
+
+
+def finish_stores(module: nn.Module, groups_of: Callable[[], list[list[nn.Parameter]]], materializer: MetaMaterializer,
+                  pins: PinnedRegistry, host_state: HostState, buffers: list[dict[str, Any]],
+                  skip: Collection[int] = ()) -> list[FlatStore | None]:
+    """Materialise what of ``module`` is still meta (not descending into ``skip``) and build the stores
+    over the buffers of :func:`place_stores`."""
     materializer(module, skip=skip)
     return [FlatStore(params, pins, host_state, **bufs) if params else None
             for params, bufs in zip(groups_of(), buffers)]
+
+
+def before_blocks(root: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The subtrees of ``root`` that come before its first block in module order (an embedding): a meta
+    model's random initialisation draws for them first, as ``init_weights`` (children first, in order) does."""
+    if not blocks:
+        return []
+    first = blocks[0]
+    out: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> bool:  # True once the first block is reached
+        for child in m.children():
+            if child is first:
+                return True
+            if any(c is first for c in child.modules()):
+                return walk(child)
+            out.append(child)
+        return False
+
+    walk(root)
+    return out
