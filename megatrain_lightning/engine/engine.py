@@ -90,7 +90,10 @@ class StreamingEngine:
         materializer = MetaMaterializer(init)
         write = self.replicas.local_rank == 0  # a node's other ranks map its store, the first one fills it
         names = resident_names(root, self.blocks)
-        resident_groups = lambda: [[root.get_parameter(n) for n in group] for group in names]  # noqa: E731
+
+        def resident_groups() -> list[list[nn.Parameter]]:
+            return [[root.get_parameter(n) for n in group] for group in names]
+
         resident_buffers = place_stores(resident_groups(), materializer, self.pins, config.host_state,
                                         names=["r0", "r1"] if dp else None, write=write)
         for part in before_blocks(root, self.blocks):
@@ -394,5 +397,3 @@ class StreamingEngine:
 
     def all_stores(self) -> list[FlatStore]:
         return self.stores + [part.store for part in self.resident.parts]
-
-
