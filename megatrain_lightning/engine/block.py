@@ -57,8 +57,9 @@ class BlockRunner(Protocol):
     def unstash(self, stash: Any) -> list[torch.Tensor]: ...
 
 
-class _RecomputeState:
-    """RNG and autocast state at the time of a block's forward, replayed in its recompute."""
+class RecomputeState:
+    """RNG and autocast state at the time of a forward, replayed in its recompute (a streamed block's;
+    a chunked MLP's, ``models/chunked_mlp.py``): dropout draws the same masks, autocast casts the same."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -73,7 +74,7 @@ class _RecomputeState:
 
 
 class _Replay:
-    def __init__(self, state: _RecomputeState) -> None:
+    def __init__(self, state: RecomputeState) -> None:
         self.state = state
         self._stack: list[Any] = []
 
@@ -137,7 +138,7 @@ class StreamedBlock(torch.autograd.Function):
                         lambda: runner.run_forward(block, args, kwargs, weights=leaves))
             runner.release(block)
         else:
-            ctx.recompute = _RecomputeState(runner.device)
+            ctx.recompute = RecomputeState(runner.device)
             args, kwargs = spec.rebuild(tensors)
             out, recorded, side = side_outputs.capture(lambda: runner.run_forward(block, args, kwargs))
         flat_out, out_spec = pytree.tree_flatten(out)

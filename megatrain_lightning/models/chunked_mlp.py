@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatrain_lightning.engine.block import RecomputeState
 from megatrain_lightning.errors import ConfigError
 
 # A chunked MLP's settings, in its instance __dict__ (not submodules: the state_dict is unchanged). The
@@ -175,42 +176,15 @@ class _Bound:
             m._buffers[n] = b
 
 
-class _Replay:
-    """The RNG and autocast state of a chunked call's forward, entered again for its backward's recompute
-    (the backward runs outside the forward's autocast region; dropout inside the MLP draws the same masks:
-    the chunks are recomputed in the forward's order from the forward's RNG state)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in {"cpu", device.type}]
-        self.stack: list[Any] = []
-
-    def __enter__(self) -> None:
-        fork = torch.random.fork_rng(devices=[self.device] if self.cuda_rng is not None else [], device_type="cuda")
-        fork.__enter__()
-        self.stack.append(fork)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.device)
-        for dev, enabled, dtype in self.autocast:
-            ac = torch.autocast(device_type=dev, dtype=dtype, enabled=enabled)
-            ac.__enter__()
-            self.stack.append(ac)
-
-    def __exit__(self, *exc: Any) -> None:
-        while self.stack:
-            self.stack.pop().__exit__(*exc)
-
-
 class _ChunkedMLP(torch.autograd.Function):
     """``apply(run, x, *weights)`` -> the MLP's output; saves ``x`` and the weights only."""
 
     @staticmethod
     def forward(ctx: Any, run: _Run, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.run = run
-        ctx.replay = _Replay(x.device)
+        # the backward runs outside the forward's autocast region; dropout inside the MLP draws the same
+        # masks: the chunks are recomputed in the forward's order from the forward's RNG state
+        ctx.replay = RecomputeState(x.device)
         ctx.save_for_backward(x, *weights)  # x: the MLP's input, alive until this backward
         return run.forward(x)  # grad is off in a Function's forward: each chunk's intermediates are freed
 
@@ -226,7 +200,7 @@ class _ChunkedMLP(torch.autograd.Function):
         acc: list[torch.Tensor | None] = [None] * len(weights)
         leaves = [w.detach().requires_grad_(n) for w, n in zip(weights, need_w)]
         targets = [w for w, n in zip(leaves, need_w) if n]
-        with torch.enable_grad(), ctx.replay, run.bound(leaves):
+        with torch.enable_grad(), ctx.replay.replay(), run.bound(leaves):
             for span in spans:
                 xc = flat[span].detach().requires_grad_(need_x)
                 y = run.call(xc, x)  # the chunk's graph lives until its gradients are taken
