@@ -13,8 +13,10 @@ on parts of runs (resume tests). Tolerances default to 1e-5 relative (issue 2).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import lightning.pytorch as pl
@@ -29,6 +31,16 @@ PARAM_RTOL = 1e-5
 # name; or a zero-argument callable returning a fresh strategy instance (instances hold state
 # and must not be shared between Trainers).
 StrategySpec = None | str | Callable[[], Any]
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def load_recipe(name: str) -> Any:
+    """``recipes/<name>.py`` imported as a module (the recipes are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,20 +3,11 @@ benchmark's smoke run on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from conftest import load_recipe as load
 
 @pytest.mark.slow
 def test_saved_inputs_dtype_recipe(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,17 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+from conftest import load_recipe
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("profile_breakdown", RECIPES / "profile_breakdown.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pb = _load()
+pb = load_recipe("profile_breakdown")
 US = 1e-6
 
 

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from conftest import RECIPES, load_recipe as load
 
 def test_every_recipe_opens_with_the_command_that_runs_it() -> None:
     for path in sorted(RECIPES.glob("*.py")) + sorted(RECIPES.glob("*.sh")):
