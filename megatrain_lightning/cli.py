@@ -129,9 +129,12 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
     bytes of training state it counts."""
     if _is_megatrain(cfg.strategy):
         plan = plan_from_config(cfg, refuse_device=False)
-        if plan.chosen:  # the strategy is built with the placement the plan was made for
-            for field in plan.chosen:
-                cfg.strategy.engine[field] = getattr(plan.run.engine, field)
+        if plan.chosen:
+            # The strategy chooses the open fields itself, from its measured first step; only saved inputs
+            # the streaming placement needs offloaded (it would not fit the device otherwise) are set here.
+            offload = plan.run.engine.offload_inputs
+            if "offload_inputs" in plan.chosen and offload:
+                cfg.strategy.engine.offload_inputs = offload
             log.info("%s", placement_line(plan.run.engine, plan.chosen))
         log.info("%s", verdict(plan))
         if plan.moe_warning:
@@ -358,6 +361,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "exact_match": _metric(final, "val/exact_match"),
         "val_loss": _metric(final, "val/loss"),
     }
+    chosen = getattr(trainer.strategy, "placement_summary", None)
+    if chosen is not None:  # the strategy chose the placement from its measured first step
+        metrics["placement"] = chosen
+        if chosen.get("predicted_step_s") is not None:
+            metrics["predicted_step_s"] = chosen["predicted_step_s"]
     outputs = report_outputs(out_dir, trainer.callbacks)
     metrics.update(duration_s=round(time.perf_counter() - started, 1), **outputs)
     _write_json(out_dir / "metrics.json", metrics)

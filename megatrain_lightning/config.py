@@ -34,11 +34,15 @@ class EngineConfig:
     except ``host_state``; they trade device memory, host memory and link bytes for speed.
 
     The placement fields (``slots``, ``keep_activations``, ``kept_saves``, ``cache_weights``,
-    ``offload_inputs``) may be None: chosen for the run. ``train.py`` on a CUDA profile chooses them through
-    the planner's memory and time model (``plan/placement.py``) from the model's shapes, the tokens per
-    micro-batch and the device memory, and logs its choice; the planner CLI prints the same. Elsewhere (the
-    CPU, or a strategy built in Python) None is the streaming placement: 2 slots, nothing kept, cached or
-    offloaded (:data:`STREAMING`). A value set explicitly is always used as it is.
+    ``offload_inputs``) default to None: chosen for the run. On one CUDA device, while fitting, the strategy
+    runs the first micro-batch streaming and measures it (its device peak, the user's loss and logits
+    included, and what one block's activations take), chooses from that, the device memory free at setup
+    and, for a Hugging Face model, the planner's memory and time model (``plan/measured.py``), tries the
+    choice on the next micro-batch and backs off if it does not fit, a step that runs out of memory running
+    again (``auto_placement.py``); one log line names each choice. ``python -m megatrain_lightning.plan``
+    prints the planner's own choice for a config (``plan/placement.py``). Elsewhere (the CPU, data parallel,
+    evaluation alone) None is the streaming placement: 2 slots, nothing kept, cached or offloaded
+    (:data:`STREAMING`). A value set explicitly is always used as it is.
 
     Args:
         slots: rotating device weight buffers (>= 2), one block each. Two double-buffer (block i+1 is
@@ -103,11 +107,11 @@ class EngineConfig:
             engine can look at the weights between steps (see ``MegaTrainStrategy``).
     """
 
-    slots: int | None = 2
-    keep_activations: int | None = 0
-    kept_saves: KeptSaves | None = "all"
-    cache_weights: int | None = 0
-    offload_inputs: bool | int | None = False
+    slots: int | None = None
+    keep_activations: int | None = None
+    kept_saves: KeptSaves | None = None
+    cache_weights: int | None = None
+    offload_inputs: bool | int | None = None
     saved_inputs_dtype: SavedInputsDtype = "input"
     host_state: HostState = "fp32"
     grad_buffers: int | None = None
@@ -162,16 +166,18 @@ class EngineConfig:
 
     def offloaded_blocks(self, n_blocks: int) -> int:
         """How many blocks park their saved inputs on the host: the first ones among the recomputed
-        (the kept blocks, the last ``keep_activations``, save none)."""
-        recomputed = max(n_blocks - min(self.keep_activations, n_blocks), 0)
-        if isinstance(self.offload_inputs, bool):
-            return recomputed if self.offload_inputs else 0
-        return min(self.offload_inputs, recomputed)
+        (the kept blocks, the last ``keep_activations``, save none). Open fields count as streaming."""
+        e = self.filled()
+        recomputed = max(n_blocks - min(e.keep_activations, n_blocks), 0)
+        if isinstance(e.offload_inputs, bool):
+            return recomputed if e.offload_inputs else 0
+        return min(e.offload_inputs, recomputed)
 
     @property
     def cached_blocks(self) -> int:
-        """Blocks whose weights stay on the device for the step (kept blocks included)."""
-        return max(self.keep_activations, self.cache_weights)
+        """Blocks whose weights stay on the device for the step (kept blocks included; open fields: none)."""
+        e = self.filled()
+        return max(e.keep_activations, e.cache_weights)
 
 
 def grad_buffers_for(requested: int | None, host_need_bytes: float, host_total_bytes: float) -> int:

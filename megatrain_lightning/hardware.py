@@ -80,8 +80,23 @@ def load_profile(name: str, profiles_dir: Path = _PROFILES_DIR) -> HardwareProfi
     return HardwareProfile(**OmegaConf.to_container(merged, resolve=True))
 
 
+# Device memory outside torch's allocator (CUDA context, cuBLAS workspaces), unavailable to tensors: the
+# planner subtracts it from a profile's device memory (plan/memory.py).
+CUDA_CONTEXT_GB = 1.0
+
+
+def usable_device_memory_gb() -> float:
+    """GPU 0's memory as a run here may use it: what is free now (another process's share is not), plus the
+    CUDA context the planner subtracts (:data:`CUDA_CONTEXT_GB`), at most the device's total."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(0)
+    return min(total / GB, free / GB + CUDA_CONTEXT_GB)
+
+
 def detect(host_memory_gb: float | None = None, device_memory_gb: float | None = None) -> HardwareProfile:
-    """The profile of this machine: matched by GPU name, memory sizes measured unless given.
+    """The profile of this machine: matched by GPU name, memory sizes measured unless given (the device's:
+    what is free now, :func:`usable_device_memory_gb`).
 
     Without CUDA this is the `cpu` profile. An unknown GPU gets the `h200` profile's defaults with
     its own memory and no peak (MFU is then not reported): set `hardware=<profile>` or override
@@ -99,7 +114,7 @@ def detect(host_memory_gb: float | None = None, device_memory_gb: float | None =
     return dataclasses.replace(
         base,
         name=f"auto({match or gpu})",
-        device_memory_gb=device_memory_gb or torch.cuda.get_device_properties(0).total_memory / GB,
+        device_memory_gb=device_memory_gb or usable_device_memory_gb(),
         host_memory_gb=host,
         peak_bf16_tflops=base.peak_bf16_tflops if match else 0.0,
         # The profile's budget assumes its own host; never page-lock most of a smaller one.

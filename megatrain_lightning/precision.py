@@ -52,6 +52,9 @@ class MegaTrainPrecision(Precision):
         self.defer_updates = False
         # Set by the strategy: skip steps with a non-finite loss (or gradients), stop after this many in a row
         self.skip_nonfinite = 0
+        # Set by the strategy while it chooses an open placement (auto_placement.AutoPlacement): a step
+        # trying one may run out of device memory and run again on a smaller one.
+        self.placement: Any = None
         self.skipped_steps = 0  # over the run
         self._consecutive = 0
         self._skip_window = False  # a micro-batch of the current accumulation window had a non-finite loss
@@ -143,7 +146,17 @@ class MegaTrainPrecision(Precision):
         return closure_result
 
     def _step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any]) -> Any:
-        closure_result = closure()
+        while True:
+            try:
+                closure_result = closure()
+                break
+            except torch.OutOfMemoryError:
+                if self.placement is None or not self.placement.can_back_off:
+                    raise
+            # A step trying a placement ran out of memory in its backward, before any update (a tried step
+            # does not overlap them; the engine has aborted it). Outside the except, once the failed
+            # attempt's tensors are gone: a smaller placement, and the whole step (closure) again.
+            self.placement.out_of_memory()
         claimed: set[int] = set()
         if self.engine is not None:
             self.engine.settle(wait=not self.defer_updates)

@@ -28,11 +28,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from .auto_placement import AutoPlacement, plan_shape
 from .blocks import find_blocks
 from .checkpoint_io import ShardedCheckpointIO
 from .config import EngineConfig
 from .data_parallel import first_refusal, init_process_group, make_replicas
 from .errors import CheckpointError, ConfigError
+from .hardware import detect
 from .engine import StreamingEngine
 from .engine.shared import tmpfs_room
 from .init import initializer_for
@@ -52,7 +54,9 @@ class MegaTrainStrategy(ParallelStrategy):
     Args:
         engine: the placement and overlap choices (slots, kept and cached blocks, offloaded inputs, host
             state, gradient buffers, host threads, overlap): :class:`~megatrain_lightning.config.EngineConfig`,
-            documented there. Default: ``EngineConfig()``.
+            documented there. Default: ``EngineConfig()``, whose placement fields are open: on one CUDA
+            device the strategy chooses them from its measured first step (``auto_placement.py``; the
+            result in :attr:`placement_summary`), elsewhere they are the streaming placement.
         block_class: the class (or class name, or several) of the blocks to stream, when automatic
             detection (Hugging Face decoder layers, a ``ModuleList`` of same-class blocks) is not wanted.
         device: the compute device; default: the Trainer's accelerator device (``cuda:0`` or ``cpu``).
@@ -104,11 +108,15 @@ class MegaTrainStrategy(ParallelStrategy):
             raise ValueError(f"skip_nonfinite={skip_nonfinite!r}: a number of consecutive steps, >= 0 (0: off)")
         self.skip_nonfinite = skip_nonfinite
         self._torn: str | None = None  # why the module holds a mix of two steps (an exception mid-step)
-        self._aborted: BaseException | None = None
+        # id() of the exception last handled by _abort (not the exception: its traceback would keep the failed
+        # step's frames, and the device tensors they hold, alive)
+        self._aborted: int | None = None
         self.block_class = block_class
         self.meta_init = meta_init
         self._explicit_device = torch.device(device) if device is not None else None
         self.engine: StreamingEngine | None = None
+        self.placement: AutoPlacement | None = None  # choosing an open placement (setup to teardown)
+        self.placement_summary: dict[str, Any] | None = None  # what it chose, kept after teardown
         self._pending_model_state: tuple[Mapping[str, Any], bool] | None = None
         self.precision_plugin = precision_plugin  # type: ignore[assignment]
 
@@ -266,6 +274,18 @@ class MegaTrainStrategy(ParallelStrategy):
         precision.on_abort = self._abort
         self.engine.check_finite(self.skip_nonfinite > 0)
         self._torn = None
+        # A placement left open is chosen from the measured first micro-batch, on one CUDA device while
+        # fitting (auto_placement.py); elsewhere it is the streaming one (EngineConfig.filled).
+        self.placement = None
+        if (self.config.unset and self.root_device.type == "cuda" and trainer.state.fn == TrainerFn.FITTING
+                and not self.is_distributed):
+            hparams = getattr(module, "hparams", {})
+            self.placement = AutoPlacement(self.engine, self.config, plan_shape(module),
+                                           accumulate=trainer.accumulate_grad_batches,
+                                           clip=bool(trainer.gradient_clip_val), hardware=detect,
+                                           loss_chunk_tokens=hparams.get("loss_chunk_tokens"),
+                                           mlp_chunk_tokens=hparams.get("mlp_chunk_tokens"))
+        precision.placement = self.placement
         self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
         for wrapper in self._lightning_optimizers:
             chain_zero_grad(wrapper, self.engine.zero_grad)
@@ -314,6 +334,10 @@ class MegaTrainStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._pending_model_state = None
+        if self.placement is not None:
+            self.placement_summary = self.placement.summary()
+        self.placement = None
+        self.precision_plugin.placement = None
         for b, flag in getattr(self, "_user_checkpointing", {}).values():
             b.gradient_checkpointing = flag
         self._user_checkpointing = {}
@@ -354,6 +378,20 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.placement is not None:
+            self.placement.before_micro_batch()  # may take a new placement (the engine is between steps)
+        while True:
+            try:
+                return self._training_step(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if self.placement is None or not self.placement.can_back_off:
+                    raise
+            # Outside the except: the failed forward's frames, and the tensors they held, are gone. Nothing of
+            # the step had been updated (the forward changes no weight): it runs again, whole, on a smaller
+            # placement (the streaming one at the last, which the measured first step ran on).
+            self.placement.out_of_memory()
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_trainable()
         self._refresh_if_written()
         interrupts = self.precision_plugin.interrupts
@@ -386,9 +424,9 @@ class MegaTrainStrategy(ParallelStrategy):
     def _abort(self, exc: BaseException) -> None:
         """An exception ends the step: the engine cancels what had not started; if updates of the step had
         run, the weights are a mix of two steps and saving them is refused from now on (``_torn``)."""
-        if self.engine is None or exc is self._aborted:
+        if self.engine is None or id(exc) == self._aborted:
             return
-        self._aborted = exc
+        self._aborted = id(exc)
         ran, failed = self.engine.abort_step()
         if (ran or failed) and self._torn is None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -420,6 +458,8 @@ class MegaTrainStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if not self.config.overlap_optimizer or trainer is None or len(self.optimizers) != 1:
             return None
+        if self.placement is not None and self.placement.trying:
+            return None  # a step trying a placement may run out of memory: nothing updates before its end
         module = self.lightning_module
         if not module.automatic_optimization or trainer.gradient_clip_val:
             return None

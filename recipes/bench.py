@@ -39,7 +39,7 @@ def run(overrides: list[str], out_dir: Path, timeout: int) -> dict:
             row.update(json.loads((out_dir / name).read_text()))
     row["status"] = "ok" if rc == 0 else f"error (exit {rc}): {tail[0][:300]}"
     print(f"{row['command']}: {row['status']} in {time.time() - t0:.0f} s; step {row.get('step_s')} s "
-          f"(planned {row.get('predicted_step_s')}), {row.get('tflops')} TFLOPS", flush=True)
+          f"(planned {row.get('predicted_step_s')}), {row.get('tflops')} TFLOPS; placement {row.get('placement')}", flush=True)
     if rc != 0:
         print(((proc.stderr if rc > 0 else "") or "")[-3000:], file=sys.stderr)
     return row

@@ -30,11 +30,18 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from conftest import RunResult, assert_is_megatrain, compare_losses, compare_states, fit, megatrain, rel_diff
+from megatrain_lightning.config import STREAMING
 from zoo import LlamaLM
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 CUDA = dict(accelerator="cuda", deterministic=False)
+
+
+def pinned(**options: Any) -> Any:
+    """MegaTrainStrategy on the placement given, the streaming one where not given: these tests check what
+    they set (a placement left open is chosen from the first step: tests/test_auto_placement_cuda.py)."""
+    return megatrain(**{**STREAMING, **options})
 
 
 def _free_cuda() -> None:
@@ -89,7 +96,7 @@ def _fp32_factory() -> Any:
 def test_cuda_fp32_parity_three_slots(no_tf32: None) -> None:
     factory = _fp32_factory()
     ref, t_ref = _timed_fit(factory, None, max_steps=20, precision="32-true", **CUDA)
-    got, t_got = _timed_fit(factory, megatrain(slots=3), max_steps=20, precision="32-true", **CUDA)
+    got, t_got = _timed_fit(factory, pinned(slots=3), max_steps=20, precision="32-true", **CUDA)
     assert_is_megatrain(got)
     worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses)) if got.losses else float("nan")
     worst_param = max((rel_diff(ref.state[k], got.state[k]) for k in ref.state if k in got.state), default=float("nan"))
@@ -191,7 +198,7 @@ def test_cuda_peak_memory_independent_of_depth() -> None:
     results: dict[int, tuple[int, int, int]] = {}
     for layers in (12, 48):
         mem = PeakMemory()
-        run, _ = _timed_fit(_depth_factory(layers, batch, seq, hidden), "megatrain", max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
+        run, _ = _timed_fit(_depth_factory(layers, batch, seq, hidden), pinned(), max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
         assert_is_megatrain(run)
         n_params = sum(p.numel() for p in run.module.parameters())
         results[layers] = (mem.allocated, mem.reserved, n_params)
@@ -222,7 +229,7 @@ def test_cuda_peak_memory_with_offloaded_inputs_is_flat_in_depth() -> None:
     results: dict[int, tuple[int, int]] = {}
     for layers in (12, 48):
         mem = PeakMemory()
-        run, _ = _timed_fit(_depth_factory(layers), megatrain(offload_inputs=True), max_steps=3, precision="bf16-mixed",
+        run, _ = _timed_fit(_depth_factory(layers), pinned(offload_inputs=True), max_steps=3, precision="bf16-mixed",
                             callbacks=[mem], **CUDA)
         assert_is_megatrain(run)
         results[layers] = (mem.allocated, mem.reserved)
@@ -244,7 +251,7 @@ def test_cuda_fp32_parity_keep_cache_offload(no_tf32: None) -> None:
     factory = _fp32_factory()
     kwargs = dict(max_steps=10, accumulate_grad_batches=2, precision="32-true", **CUDA)
     ref, _ = _timed_fit(factory, None, **kwargs)
-    got, _ = _timed_fit(factory, megatrain(slots=2, keep_activations=2, cache_weights=4, offload_inputs=True), **kwargs)
+    got, _ = _timed_fit(factory, pinned(slots=2, keep_activations=2, cache_weights=4, offload_inputs=True), **kwargs)
     assert_is_megatrain(got)
     worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
     worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
@@ -292,7 +299,7 @@ def test_cuda_no_hidden_sync_in_a_step() -> None:
     probe = SyncDebug()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run, _ = _timed_fit(_depth_factory(6, batch=2, seq=512), megatrain(keep_activations=1, cache_weights=2, offload_inputs=True),
+        run, _ = _timed_fit(_depth_factory(6, batch=2, seq=512), pinned(keep_activations=1, cache_weights=2, offload_inputs=True),
                             max_steps=4, precision="bf16-mixed", callbacks=[probe], **CUDA)
     torch.cuda.set_sync_debug_mode("default")
     assert_is_megatrain(run)
@@ -316,7 +323,7 @@ def test_cuda_compact_state_trains_like_fp32_state() -> None:
                       warmup_steps=3, schedule_steps=steps)
     kwargs = dict(max_steps=steps, precision="bf16-mixed", **CUDA)
     ref, _ = _timed_fit(factory, "megatrain", **kwargs)
-    got, _ = _timed_fit(factory, megatrain(host_state="compact", keep_activations=2, cache_weights=3), **kwargs)
+    got, _ = _timed_fit(factory, pinned(host_state="compact", keep_activations=2, cache_weights=3), **kwargs)
     assert_is_megatrain(got)
 
     def last10(run: RunResult) -> float:
@@ -337,7 +344,7 @@ def test_cuda_kept_blocks_saving_matmuls_use_less_memory_and_train_the_same() ->
     results: dict[str, tuple[int, list[float]]] = {}
     for saves in ("all", "matmuls"):
         mem = PeakMemory()
-        run, _ = _timed_fit(_depth_factory(layers), megatrain(keep_activations=layers, cache_weights=layers, kept_saves=saves),
+        run, _ = _timed_fit(_depth_factory(layers), pinned(keep_activations=layers, cache_weights=layers, kept_saves=saves),
                             max_steps=3, precision="bf16-mixed", callbacks=[mem], **CUDA)
         assert_is_megatrain(run)
         results[saves] = (mem.allocated, run.losses)

@@ -4,7 +4,8 @@ Checked against the planner's own models (the CPU cannot time a GPU): the choice
 the stated headroom, is at least as fast as the placements hand-tuned for the measured H200 runs
 (``conf/experiment/bench_3b.yaml``, ``bench_7b.yaml``) up to the margin it gives up for that headroom,
 never changes a field the user set, offloads saved inputs only where nothing else fits, and is what both
-the planner CLI prints and ``train.py`` builds its strategy with. On the CPU nothing is chosen.
+the planner CLI prints and ``train.py`` logs (the strategy itself chooses from its measured first step:
+``tests/test_measured_placement.py``). On the CPU nothing is chosen.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_a_field_the_user_set_is_kept() -> None:
                                                         offload_inputs=None), hw)
     assert (chosen.keep_activations, chosen.kept_saves) == (4, "all")
     assert chosen.cache_weights == shape.layers  # the room left goes to cached weights
-    untouched = EngineConfig(keep_activations=2, kept_saves="all", cache_weights=3, offload_inputs=False)
+    untouched = EngineConfig(slots=2, keep_activations=2, kept_saves="all", cache_weights=3, offload_inputs=False)
     assert choose_placement(shape, work, untouched, hw) == untouched
 
 
@@ -100,7 +101,7 @@ def test_nothing_is_chosen_on_the_cpu() -> None:
     assert EngineConfig(**OPEN).filled() == EngineConfig(**STREAMING)
 
 
-def test_train_builds_its_strategy_with_the_plans_choice_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+def test_train_logs_the_plans_choice_and_leaves_the_strategy_to_measure(caplog: pytest.LogCaptureFixture) -> None:
     from megatrain_lightning.cli import check_fits
     from megatrain_lightning.hardware import resolve_hardware
 
@@ -109,13 +110,22 @@ def test_train_builds_its_strategy_with_the_plans_choice_and_logs_it(caplog: pyt
     with caplog.at_level("INFO"):
         plan, _ = check_fits(cfg, resolve_hardware(cfg), "qwen2_5_3b", "megatrain", 0)
     assert plan is not None and set(plan.chosen) == set(OPEN)
-    for key in OPEN:
-        assert cfg.strategy.engine[key] == getattr(plan.run.engine, key)
-    assert any("placement chosen by the planner: keep_activations=" in r.message for r in caplog.records)
-    from hydra.utils import instantiate
+    assert plan.run.engine.keep_activations > 0 and not plan.run.engine.offload_inputs
+    # the strategy chooses from its measured first step (auto_placement.py): the fields stay open
+    assert all(cfg.strategy.engine[k] is None for k in OPEN)
+    assert any("placement the planner predicts: keep_activations=" in r.message for r in caplog.records)
 
-    assert instantiate(OmegaConf.create(OmegaConf.to_container(cfg.strategy.engine, resolve=True))) == \
-        dataclasses.replace(plan.run.engine, slots=cfg.strategy.engine.slots, grad_buffers=None, bf16_grads=None)
+
+def test_train_sets_the_offload_the_streaming_placement_needs() -> None:
+    from megatrain_lightning.cli import check_fits
+    from megatrain_lightning.hardware import resolve_hardware
+
+    cfg = _compose("model=qwen2_5_7b", "data.batch_size=1", "data.seq_len=229376", "model.mlp_chunk_tokens=8192",
+                   "model.loss_chunk_tokens=8192", "hardware=h200_126g")
+    plan, _ = check_fits(cfg, resolve_hardware(cfg), "qwen2_5_7b", "megatrain", 0)
+    assert plan is not None and plan.run.engine.offload_inputs
+    assert cfg.strategy.engine.offload_inputs == plan.run.engine.offload_inputs
+    assert all(cfg.strategy.engine[k] is None for k in OPEN if k != "offload_inputs")
 
 
 def test_the_planner_cli_prints_the_same_choice() -> None:
@@ -123,8 +133,8 @@ def test_the_planner_cli_prints_the_same_choice() -> None:
                            "data.batch_size=8"], capture_output=True, text=True, check=True)
     shape, work, hw = _setting("model=qwen2_5_3b", "data.batch_size=8", "hardware=h200_126g")
     chosen = choose_placement(shape, work, EngineConfig(**OPEN), hw)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("placement chosen by the planner"))
+    line = next(x for x in done.stdout.splitlines() if x.startswith("placement the planner predicts"))
     assert f"keep_activations={chosen.keep_activations}," in line and f"cache_weights={chosen.cache_weights}," in line
     explicit = subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", "experiment=bench_7b", "hardware=h200_126g",
                                "strategy.engine.offload_inputs=false"], capture_output=True, text=True, check=True)
-    assert "placement chosen" not in explicit.stdout  # every field set: nothing chosen
+    assert "placement the planner predicts" not in explicit.stdout  # every field set: nothing chosen

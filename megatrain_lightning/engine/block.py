@@ -56,6 +56,8 @@ class BlockRunner(Protocol):
 
     def unstash(self, stash: Any) -> list[torch.Tensor]: ...
 
+    meter: Any  # device_memory.StepMeter: what keeping a block would hold, measured around its recompute
+
 
 class RecomputeState:
     """RNG and autocast state at the time of a forward, replayed in its recompute (a streamed block's;
@@ -173,10 +175,12 @@ class StreamedBlock(torch.autograd.Function):
             inputs = _leaf_inputs(saved)
             weights = runner.acquire(ctx.block)
             leaves = _leaf_weights(weights, flags)
+            before = runner.meter.mark()
             with torch.enable_grad(), ctx.recompute.replay():
                 args, kwargs = ctx.spec.rebuild(inputs)
                 out, side = side_outputs.recompute(
                     ctx.spec.recorded, lambda: runner.run_forward(ctx.block, args, kwargs, weights=leaves), ctx.block)
+            runner.meter.built(before)  # what keeping this block's activations would hold
             flat_out = pytree.tree_leaves(out)
             outs = [flat_out[i] for i in ctx.out_tensor_idx] + side
         diff_inputs = [t for t in inputs if t.requires_grad]

@@ -35,6 +35,8 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
                 engine.release(index)
         state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
         spec = CallSpec(args, kwargs)
+        if engine.meter.active:
+            engine.meter.note_input([*args, *kwargs.values()])
         # Identity saved-tensor hooks: an outer activation checkpoint (timm's, torch.utils.checkpoint
         # around the block) records nothing of this call, so it never needs to recompute it; the
         # engine's own recompute stands in for it.

@@ -27,17 +27,17 @@ from torch import nn
 
 from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
-from . import params as _params
+from . import params as _params, placement as _placement
 from .block_call import streamed_forward
+from .device_memory import StepMeter
 from .grads import GradPath, Update
 from .host_worker import HostWorker
 from .materialize import InitFn, MetaMaterializer, before_blocks, build_stores, finish_stores, place_stores
-from .offload import InputOffload, Stash
+from .offload import Stash
 from .phase import Phase, StepState
-from .prefetch import WeightStream
 from .replicas import Replicas
 from .resident import ResidentParts, resident_names
-from .slots import BlockBinding, DeviceSlots
+from .slots import BlockBinding
 from .stats import EngineStats
 from .host_buffers import PinnedRegistry
 from .store import FlatStore
@@ -74,6 +74,7 @@ class StreamingEngine:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.streams = Streams(self.device)
+        self.meter = StepMeter(self.device)  # made before the engine allocates anything on the device
         self.replicas = replicas or Replicas()
         dp = self.replicas.parallel
         self.pins = PinnedRegistry(self.streams.cuda if config.pin_memory is None else config.pin_memory,
@@ -121,15 +122,7 @@ class StreamingEngine:
             self.updates.remote = {key: s for key, s in self.keyed_stores() if not self.owns(key)}
 
         # Device slots and what streams into them.
-        max_numel = max(s.numel for s in self.stores)
-        self.keep = set(range(n_blocks - config.keep_activations, n_blocks))
-        cached = range(n_blocks - config.cached_blocks, n_blocks)
-        slots = DeviceSlots(config.slots, max_numel, compute_dtype, self.device,
-                            fixed=[(b, self.stores[b].numel) for b in cached], master_dtype=self.stores[0].dtype,
-                            wide_numel=max(s.layout.wide_numel for s in self.stores))
-        self.weights = WeightStream(self.stores, slots, self.streams, self.stats, self.keep, self.updates.wait_for)
-        self.offload = InputOffload(self.streams, self.pins, config.offloaded_blocks(n_blocks),
-                                    compute_dtype if config.saved_inputs_dtype == "compute" else None)
+        _placement.lay_out(self, config)
 
         # The gradient path and the host worker behind it.
         self.grad_buffers = grad_buffers_for(config.grad_buffers, self._host_need_with_own_accumulators(),
@@ -148,6 +141,10 @@ class StreamingEngine:
         self._original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
+
+    def place(self, config: EngineConfig) -> None:
+        """Between steps, the placement fields of ``config`` from now on (``placement.replace``: a sync point)."""
+        _placement.replace(self, config)
 
     def _host_need_with_own_accumulators(self) -> float:
         """Host bytes in use once every store holds its own fp32 accumulator and Adam moments."""
@@ -170,6 +167,7 @@ class StreamingEngine:
     def open_step(self) -> None:
         """Enter a step: resident weights go to the device and the first blocks start streaming in."""
         self.state.open()
+        self.meter.begin()
         self.updates.begin_step()
         self.resident.open()
         self.weights.start()
@@ -193,6 +191,7 @@ class StreamingEngine:
         self.outside.sent = set()
         self.weights.learn(self.state.end_micro_batch())
         self.offload.reset()
+        self.meter.end()
 
     def settle(self, wait: bool = True) -> None:
         """Resident parameters back to their host masters (gradients included), gradients drained and,
@@ -221,6 +220,7 @@ class StreamingEngine:
         step failed): (0, 0) means the masters and moments are exactly the state before the step; anything
         else a mix of two steps (the caller refuses to save it)."""
         ran = self.updates.abort_step()
+        self.meter.restart()
         self.grads.abort()
         for store in self.all_stores():
             store.drop_half_grad()

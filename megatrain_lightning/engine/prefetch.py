@@ -39,7 +39,8 @@ class WeightStream:
         self._free = [streams.event() for _ in range(n_slots)]
         self._used = [False] * n_slots
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self.order: list[int] = self.call_order(list(range(len(self.stores))))
+        self.recorded: list[int] = list(range(len(self.stores)))  # the forward calls of the last micro-batch
+        self.order: list[int] = self.call_order(self.recorded)
         self.pos = 0
 
     def call_order(self, forward: list[int]) -> list[int]:
@@ -49,7 +50,8 @@ class WeightStream:
     def learn(self, recorded: list[int]) -> None:
         """The micro-batch that just ended called blocks in ``recorded`` order: predict the next from it."""
         if recorded:
-            self.order = self.call_order(recorded)
+            self.recorded = list(recorded)
+            self.order = self.call_order(self.recorded)
         self.pos = 0
 
     def start(self) -> None:

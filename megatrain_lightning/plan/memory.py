@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ..hardware import CUDA_CONTEXT_GB
 from .run import Run
 from .shape import PlanShape
 
@@ -34,7 +35,7 @@ MASTER_B, GRAD_B, MOMENTS_B = 4, 4, 8  # host fp32 bytes per parameter, as engin
 # NCCL libraries mapped in, the data loader. An estimate (a CUDA torch process idles at 2-4 GB RSS).
 PROCESS_OVERHEAD_GB = 3.0
 # Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): unavailable to tensors.
-CUDA_CONTEXT_GB = 1.0
+# CUDA_CONTEXT_GB, imported above from hardware.py (which reads free device memory with it).
 # Loss bytes per logit element with Hugging Face's loss (bf16 logits, `.float()`, cross_entropy =
 # log_softmax + nll): forward peak 2 (bf16) + 4 (fp32 upcast) + 4 (log_softmax output) = 10; backward
 # peak 4 (saved log_softmax output) + 4 (nll's dense grad) + 4 (log_softmax's input grad) = 12.

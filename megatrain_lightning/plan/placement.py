@@ -34,13 +34,15 @@ MATMULS_MARGIN = 0.03
 
 
 def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile,
-                     headroom: float = HEADROOM) -> EngineConfig:
+                     headroom: float = HEADROOM, budget: float | None = None) -> EngineConfig:
     """``engine`` with its unset placement fields chosen for ``work`` on ``hw`` (see the module docstring);
-    the streaming values where nothing fits (the plan then says why) or off CUDA."""
+    the streaming values where nothing fits (the plan then says why) or off CUDA. ``budget``: the device
+    bytes to plan for, instead of ``headroom`` of the profile's device memory."""
     unset = set(engine.unset)
     if not unset or hw.accelerator != "cuda":
         return engine.filled()
-    budget, host = device_available(hw) * headroom, hw.host_memory_gb * GB
+    budget = device_available(hw) * headroom if budget is None else budget
+    host = hw.host_memory_gb * GB
     layers = shape.layers
 
     def fits(cand: EngineConfig) -> bool:
@@ -86,5 +88,5 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
 def placement_line(engine: EngineConfig, chosen: tuple[str, ...]) -> str:
     """One line naming the chosen fields and their values, for the log and the planner's table."""
     values = ", ".join(f"{f}={getattr(engine, f)}" for f in chosen)
-    return (f"placement chosen by the planner: {values} (set any of them under strategy.engine to choose it "
-            "yourself)")
+    return (f"placement the planner predicts: {values} (the strategy chooses from its measured first step; set "
+            "any of them under strategy.engine to choose it yourself)")

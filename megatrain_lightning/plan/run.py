@@ -45,6 +45,7 @@ class Run:
     head_in_backward: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", self.engine.filled())  # an open placement plans as streaming
         if self.engine.grad_buffers is None or self.engine.bf16_grads is None:
             raise ValueError("Run needs an EngineConfig with grad_buffers and bf16_grads resolved")
 

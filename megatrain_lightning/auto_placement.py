@@ -1,0 +1,172 @@
+"""A placement left open, on a CUDA device: measure the first micro-batch, choose, try the choice, back off.
+
+One phase per micro-batch; between two of them the engine is settled, and a new placement is taken there
+(``StreamingEngine.place``; every placement gives the same result bit for bit):
+
+* ``measure``: the first micro-batch streams (nothing kept or cached) and the engine measures it.
+* ``try``: the next one runs the placement chosen from that measurement (``plan/measured.py``) and is measured
+  too. It runs without the overlapped optimizer (no update starts before its backward has ended), so that a
+  step that runs out of device memory can run again, whole, on a smaller placement: the caller hands the
+  error to :meth:`AutoPlacement.out_of_memory` and repeats the step. A peak above the budget backs off the
+  same way before the next micro-batch.
+* ``done``: a tried placement that fit; it stays for the run.
+
+Each change is one log line: the placement, why, and (with the model's shapes) the predicted step time.
+Lightning-free: the strategy calls :meth:`before_micro_batch` before each training micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .config import PLACEMENT_FIELDS, EngineConfig
+from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio
+from .plan.memory import GB
+from .plan.placement import HEADROOM
+from .plan.run import Workload
+from .plan.shape import PlanShape
+
+log = logging.getLogger(__name__)
+
+
+def plan_shape(module: nn.Module) -> PlanShape | None:
+    """The planner's shapes of the outermost Hugging Face model inside ``module`` (None without one)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if model is None:
+        return None
+    try:
+        shape = PlanShape.of(model)
+    except Exception as err:  # a config the planner does not read: measured placement without shapes
+        log.debug("no planner shapes for %s: %s", type(model).__name__, err)
+        return None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dataclasses.replace(shape, trainable_params=trainable) if trainable < shape.total_params else shape
+
+
+class AutoPlacement:
+    """Chooses the ``requested`` config's unset placement fields for ``engine`` from measured micro-batches.
+
+    Args:
+        engine: a :class:`~megatrain_lightning.engine.StreamingEngine` on a CUDA device, on the streaming
+            placement.
+        requested: the config the user gave (its None placement fields are the ones chosen).
+        shape: the planner's shapes of the model (:func:`plan_shape`), or None.
+        accumulate, clip: the step around the micro-batch (for the planner's timing).
+        loss_chunk_tokens, mlp_chunk_tokens: the module's chunking (``models.CausalLM``), for the planner.
+        hardware: returns the machine's profile (``hardware.detect``), called once when choosing.
+    """
+
+    def __init__(self, engine: Any, requested: EngineConfig, shape: PlanShape | None, accumulate: int, clip: bool,
+                 hardware: Callable[[], Any], loss_chunk_tokens: int | None = None,
+                 mlp_chunk_tokens: int | None = None) -> None:
+        self.engine = engine
+        self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
+        self.unset = requested.unset
+        self.requested = requested
+        self.shape = shape
+        self.accumulate, self.clip = accumulate, clip
+        self.hardware = hardware
+        self.phase = "measure"
+        self.measured: Measured | None = None
+        self.predicted: float | None = None  # the planner's step time for the placement chosen (with shapes)
+        self.backed_off = 0
+        engine.meter.measure_next()
+
+    def summary(self) -> dict[str, Any]:
+        """The placement in use and how it was reached, for a run's metrics."""
+        return {**{f: getattr(self.engine.config, f) for f in self.unset}, "phase": self.phase,
+                "predicted_step_s": None if self.predicted is None else round(self.predicted, 4),
+                "backed_off": self.backed_off}
+
+    @property
+    def trying(self) -> bool:
+        """Whether the micro-batch about to run (or running) tries a placement: no overlapped updates."""
+        return self.phase == "try"
+
+    def before_micro_batch(self) -> None:
+        step = self.engine.meter.measured
+        if step is None or self.phase == "done":
+            return
+        self.engine.meter.measured = None
+        if self.phase == "measure":
+            self._choose(step)
+        else:
+            self._check(step)
+
+    @property
+    def can_back_off(self) -> bool:
+        """Whether a micro-batch that ran out of device memory now may run again on a smaller placement: it
+        was trying one (nothing of its step updated), and that was more than the streaming placement."""
+        return self.phase == "try" and self.measured is not None and self._chosen()
+
+    def out_of_memory(self) -> None:
+        """The micro-batch trying a placement ran out of device memory (its step aborted, nothing of it
+        updated; :attr:`can_back_off` was True): a smaller placement is taken, for the caller to run the
+        step again."""
+        assert self.can_back_off and self.measured is not None
+        gc.collect()  # the failed attempt's frames and tracebacks form cycles: free their device tensors now
+        self.measured, smaller = after_out_of_memory(self.measured, self.engine.config, self.unset)
+        self.backed_off += 1
+        self.predicted = None
+        self._take(smaller, "backed off (the step on the chosen placement ran out of device memory; it runs again)")
+
+    # ------------------------------------------------------------------
+    def _chosen(self) -> bool:
+        """Whether the engine runs anything beyond the streaming placement in the fields chosen here."""
+        streaming = dataclasses.replace(self.engine.config, **{f: None for f in self.unset}).filled()
+        return any(getattr(self.engine.config, f) != getattr(streaming, f) for f in self.unset)
+
+    def _choose(self, step: Any) -> None:
+        engine = self.engine
+        weights = max(s.numel for s in engine.stores) * torch.empty((), dtype=engine.compute_dtype).element_size()
+        m = Measured(peak=float(step.peak), kept_graph=float(step.kept_graph), block_weights=float(weights),
+                     budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks),
+                     matmuls_ratio=matmuls_ratio(self.shape) if self.shape is not None else None)
+        self.measured = m
+        predicted = None
+        if self.shape is not None and step.tokens:
+            work = Workload(micro_batch=step.batch, seq_len=step.seq, accumulate=self.accumulate,
+                            bf16=engine.compute_dtype == torch.bfloat16, clip=self.clip, **self.chunks)
+            chosen, predicted = by_planner(m, self.requested, self.shape, work, self.hardware())
+        else:
+            chosen = by_measurement(m, self.requested)
+        why = (f"chosen from the first step (streaming: peak {step.peak / GB:.1f} GB, a kept block's activations "
+               f"{step.kept_graph / GB:.2f} GB at {step.tokens} tokens; budget {m.budget / GB:.1f} GB)")
+        self.predicted = predicted
+        self._take(chosen, why, predicted)
+
+    def _check(self, step: Any) -> None:
+        assert self.measured is not None
+        if step.peak <= self.measured.budget:
+            self.phase = "done"
+            log.info("placement tried: peak %.1f GB of the %.1f GB budget; it stays", step.peak / GB,
+                     self.measured.budget / GB)
+            return
+        self.measured, smaller = back_off(self.measured, self.engine.config, float(step.peak), self.unset)
+        self.backed_off += 1
+        self.predicted = None
+        self._take(smaller, f"backed off (the step on the chosen placement peaked at {step.peak / GB:.1f} GB, above "
+                            f"the {self.measured.budget / GB:.1f} GB budget)")
+
+    def _take(self, chosen: EngineConfig, why: str, predicted: float | None = None) -> None:
+        engine = self.engine
+        current = {f: getattr(engine.config, f) for f in PLACEMENT_FIELDS}
+        values = ", ".join(f"{f}={getattr(chosen, f)}" for f in self.unset)
+        timing = f"; predicted step {predicted:.3f} s" if predicted is not None else ""
+        log.info("placement %s: %s%s (set any of them in EngineConfig to choose it yourself)", why, values, timing)
+        if {f: getattr(chosen, f) for f in PLACEMENT_FIELDS} == current:
+            self.phase = "done"  # the streaming placement again: the measured step ran on it
+            return
+        engine.place(chosen)
+        engine.meter.measure_next()
+        self.phase = "try"

@@ -1,0 +1,135 @@
+"""The placement chosen from a measured step: what ``MegaTrainStrategy`` does when its placement is left open.
+
+The first micro-batch of a run streams (nothing kept or cached: ``config.STREAMING``) and the engine measures
+it (``StreamingEngine.measure_next``): its device peak ``P``, which includes whatever the user's step holds
+(its loss and logits, a metric's buffers), and the largest graph one recompute built, ``G``: what keeping one
+block's activations adds. One block's weights in a fixed slot, ``W``, are known exactly. A placement that
+keeps ``k`` blocks and caches ``c >= k`` is then predicted to peak at ``P + k·G + c·W`` (plus ``W`` per slot
+beyond two): an upper bound, since ``P`` already holds one recompute's graph and the kept blocks' saved inputs.
+The budget is :data:`~.placement.HEADROOM` of the device bytes usable when the engine was built.
+
+Which placement: where the model's shapes are known (a Hugging Face model in the module), the planner's
+choice (``placement.choose_placement``) for the measured micro-batch, on a budget less what the measured peak
+holds beyond the planner's own prediction of the streaming step (the user's loss and logits), then clamped
+until the measured prediction fits; selective saves cost ``G`` scaled by the planner's ratio of matmul
+outputs to all activations. Without shapes: as many kept blocks as fit with their weights cached, then as
+many more cached weights as fit. Fields the user set are never changed.
+
+The next micro-batch, on the chosen placement, is measured too: a peak above the budget moves ``P`` up by
+what the prediction missed and the placement is clamped again (:func:`back_off`); running out of memory
+halves what the placement added to the streaming step (:func:`after_out_of_memory`), down to streaming,
+which the first step showed fits. Lightning-free, CUDA-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..hardware import HardwareProfile
+from .fit import resolve
+from .memory import block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
+from .placement import choose_placement
+from .run import Workload
+from .shape import PlanShape
+from .timing import step_times
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A measured streaming micro-batch and the device it ran on, in bytes."""
+
+    peak: float  # P: the streaming micro-batch's device peak
+    kept_graph: float  # G: one block's activations, kept
+    block_weights: float  # W: one (the largest) block's weights in the compute dtype
+    budget: float  # what a placement may plan for
+    layers: int
+    matmuls_ratio: float | None = None  # G under kept_saves="matmuls" over G; None: not offered
+
+    def predicted_peak(self, e: EngineConfig) -> float:
+        ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
+        graph = self.kept_graph * ratio
+        extra_slots = max((e.slots or 2) - 2, 0)
+        return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights
+
+    def fits(self, e: EngineConfig) -> bool:
+        return self.predicted_peak(e) <= self.budget
+
+
+def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
+    """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then kept
+    blocks taken away until the measured prediction fits (or nothing chosen is left)."""
+    while not m.fits(e):
+        if "slots" in unset and e.slots > 2:
+            e = dataclasses.replace(e, slots=2)
+        elif "cache_weights" in unset and e.cache_weights > e.keep_activations:
+            e = dataclasses.replace(e, cache_weights=e.cache_weights - 1)
+        elif "keep_activations" in unset and e.keep_activations > 0:
+            k = e.keep_activations - 1
+            e = dataclasses.replace(e, keep_activations=k, cache_weights=min(e.cache_weights, k)
+                                    if "cache_weights" in unset else e.cache_weights)
+        else:
+            break
+    return e
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ok(n), ok monotone (lo assumed ok)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def by_measurement(m: Measured, engine: EngineConfig) -> EngineConfig:
+    """Without the model's shapes: the most kept blocks (all their activations) that fit with their weights
+    cached, then the most cached weights."""
+    unset = engine.unset
+    e = engine.filled()
+    if "keep_activations" in unset:
+        def keep_fits(k: int) -> bool:
+            c = max(k, e.cache_weights) if "cache_weights" not in unset else k
+            return m.fits(dataclasses.replace(e, keep_activations=k, cache_weights=c))
+        k = _largest(keep_fits, 0, m.layers) if keep_fits(0) else 0
+        e = dataclasses.replace(e, keep_activations=k, cache_weights=k if "cache_weights" in unset else e.cache_weights)
+    if "cache_weights" in unset:
+        k = e.keep_activations
+        e = dataclasses.replace(e, cache_weights=_largest(
+            lambda c: m.fits(dataclasses.replace(e, cache_weights=c)), k, m.layers) if m.fits(e) else k)
+    return clamp(m, e, unset)
+
+
+def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile
+               ) -> tuple[EngineConfig, float]:
+    """With the model's shapes: the planner's choice on the budget less what the measured streaming peak holds
+    beyond the planner's prediction of it, clamped to the measured prediction; and its predicted step time."""
+    streaming = resolve(shape, work, engine.filled(), hw)
+    beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # the user's loss and logits, the planner's error
+    chosen = choose_placement(shape, work, engine, hw, budget=m.budget - beyond)
+    chosen = clamp(m, chosen, engine.unset)
+    return chosen, step_times(shape, resolve(shape, work, chosen, hw), hw)["step"]
+
+
+def matmuls_ratio(shape: PlanShape) -> float:
+    """What a kept block holds with ``kept_saves="matmuls"`` over all its activations (the planner's model)."""
+    return kept_matmul_outputs_per_token(shape) / block_activations_per_token(shape)
+
+
+def back_off(m: Measured, e: EngineConfig, peak: float, unset: tuple[str, ...]) -> tuple[Measured, EngineConfig]:
+    """The micro-batch on ``e`` peaked at ``peak``: what the prediction missed goes into the measured base, and
+    ``e`` is clamped again (unchanged when it still fits)."""
+    missed = max(peak - m.predicted_peak(e), 0.0)
+    m = dataclasses.replace(m, peak=m.peak + missed)
+    return m, clamp(m, e, unset)
+
+
+def after_out_of_memory(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> tuple[Measured, EngineConfig]:
+    """``e`` ran out of device memory: a budget that halves what it added to the streaming step; at the last,
+    the streaming placement itself (the measured step ran on it)."""
+    added = m.predicted_peak(e) - m.peak
+    m = dataclasses.replace(m, budget=m.peak + added / 2)
+    smaller = clamp(m, e, unset)
+    if smaller == e:  # nothing left to take away but the whole choice
+        smaller = dataclasses.replace(e, **{f: None for f in unset}).filled()
+    return m, smaller
