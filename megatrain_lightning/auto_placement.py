@@ -64,12 +64,15 @@ class AutoPlacement:
         accumulate, clip: the step around the micro-batch (for the planner's timing).
         loss_chunk_tokens, mlp_chunk_tokens: the module's chunking (``models.CausalLM``), for the planner.
         hardware: returns the machine's profile (``hardware.detect``), called once when choosing.
+        say: where each decision's one line goes (the strategy: Lightning's rank-zero info log).
     """
 
     def __init__(self, engine: Any, requested: EngineConfig, shape: PlanShape | None, accumulate: int, clip: bool,
                  hardware: Callable[[], Any], loss_chunk_tokens: int | None = None,
-                 mlp_chunk_tokens: int | None = None) -> None:
+                 mlp_chunk_tokens: int | None = None, say: Callable[[str], None] = log.info) -> None:
         self.engine = engine
+        self.say = say
+        self.lines: list[str] = []  # every line said, in order (also in summary())
         self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
         self.unset = requested.unset
         self.requested = requested
@@ -86,7 +89,7 @@ class AutoPlacement:
         """The placement in use and how it was reached, for a run's metrics."""
         return {**{f: getattr(self.engine.config, f) for f in self.unset}, "phase": self.phase,
                 "predicted_step_s": None if self.predicted is None else round(self.predicted, 4),
-                "backed_off": self.backed_off}
+                "backed_off": self.backed_off, "log": list(self.lines)}
 
     @property
     def trying(self) -> bool:
@@ -121,6 +124,10 @@ class AutoPlacement:
         self._take(smaller, "backed off (the step on the chosen placement ran out of device memory; it runs again)")
 
     # ------------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        self.lines.append(line)
+        self.say(line)
+
     def _chosen(self) -> bool:
         """Whether the engine runs anything beyond the streaming placement in the fields chosen here."""
         streaming = dataclasses.replace(self.engine.config, **{f: None for f in self.unset}).filled()
@@ -149,8 +156,8 @@ class AutoPlacement:
         assert self.measured is not None
         if step.peak <= self.measured.budget:
             self.phase = "done"
-            log.info("placement tried: peak %.1f GB of the %.1f GB budget; it stays", step.peak / GB,
-                     self.measured.budget / GB)
+            self._say(f"placement tried: peak {step.peak / GB:.1f} GB of the {self.measured.budget / GB:.1f} GB "
+                      "budget; it stays")
             return
         self.measured, smaller = back_off(self.measured, self.engine.config, float(step.peak), self.unset)
         self.backed_off += 1
@@ -163,7 +170,7 @@ class AutoPlacement:
         current = {f: getattr(engine.config, f) for f in PLACEMENT_FIELDS}
         values = ", ".join(f"{f}={getattr(chosen, f)}" for f in self.unset)
         timing = f"; predicted step {predicted:.3f} s" if predicted is not None else ""
-        log.info("placement %s: %s%s (set any of them in EngineConfig to choose it yourself)", why, values, timing)
+        self._say(f"placement {why}: {values}{timing} (set any of them in EngineConfig to choose it yourself)")
         if {f: getattr(chosen, f) for f in PLACEMENT_FIELDS} == current:
             self.phase = "done"  # the streaming placement again: the measured step ran on it
             return

@@ -4,8 +4,10 @@ engine's change of placement between steps (``StreamingEngine.place``).
 On the CPU the device is the host, so nothing is measured or chosen there (``EngineConfig()`` trains on the
 streaming placement, exactly as before); what is checked here is that a placement taken between any two
 micro-batches (mid-window too, with deferred updates running on) trains exactly as Lightning's default
-strategy, and the choice's arithmetic against the planner's models. The measurement and the back-off run on
-the GPU: ``tests/test_auto_placement_cuda.py``.
+strategy, the choice's arithmetic against the planner's models, and the trial: AutoPlacement wired as on a
+GPU and handed the measurements a GPU's allocator would give, on a module whose blocks run out of memory (in
+their forward or their backward) when more than one is kept, backs off and runs the step again, and the run
+is exactly Lightning's. The real measurement and out-of-memory run on the GPU: ``tests/test_auto_placement_cuda.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from functools import partial
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from conftest import fit, megatrain, run_parity
 from megatrain_lightning.config import STREAMING, EngineConfig
@@ -136,3 +139,110 @@ def test_a_trial_above_the_budget_and_an_out_of_memory_back_off() -> None:
     assert one.keep_activations == 1
     _, last = after_out_of_memory(tiny, one, unset)
     assert last == EngineConfig().filled()  # down to the streaming placement
+
+
+# ---------------------------------------------------------------------------------- trying and backing off
+class _Device:
+    """A device that holds the activations of at most ``capacity`` kept blocks: a block call in a step that
+    keeps more raises torch.OutOfMemoryError, in its forward or in its backward (``where``), as CUDA would.
+    Only while ``engine`` is set (the megatrain run); the CPU has no device memory of its own to run out of."""
+
+    engine = None
+    capacity, where, raised = 1, "forward", 0
+
+    @classmethod
+    def full(cls) -> bool:
+        return cls.engine is not None and len(cls.engine.keep) > cls.capacity
+
+    @classmethod
+    def out_of_memory(cls) -> None:
+        cls.raised += 1
+        raise torch.OutOfMemoryError(f"simulated: {len(cls.engine.keep)} kept blocks, room for {cls.capacity}")
+
+
+class _RunsOutInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        if _Device.where == "backward" and _Device.full():
+            _Device.out_of_memory()
+        return g
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Device.where == "forward" and torch.is_grad_enabled() and _Device.full():
+            _Device.out_of_memory()
+        return _RunsOutInBackward.apply(x + self.down(torch.tanh(self.up(x))))
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, d: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, 1)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(depth))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return torch.nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(64, 8, 16, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum((1, 2)).tanh().expand(8, 64).T),
+                                           batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class _Measurements(pl.Callback):
+    """Wires AutoPlacement as the strategy does on a GPU, and hands it the measurements a GPU's allocator
+    would give (the first step: 10 GB at its peak, 1 GB per kept block; the tried one: under the budget)."""
+
+    megatrain_reads_weights = False
+
+    def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        from megatrain_lightning.auto_placement import AutoPlacement
+        from megatrain_lightning.hardware import detect
+
+        strategy = trainer.strategy
+        if getattr(strategy, "engine", None) is None:
+            return
+        _Device.engine = strategy.engine
+        strategy.engine.meter.usable_bytes = 100 * GB
+        strategy.placement = AutoPlacement(strategy.engine, strategy.config, None, 1, False, detect)
+        strategy.precision_plugin.placement = strategy.placement
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module, outputs, batch, batch_idx: int) -> None:
+        from megatrain_lightning.engine.device_memory import StepMemory
+
+        placement = getattr(trainer.strategy, "placement", None)
+        if placement is not None and placement.phase != "done":
+            peak = 10 * GB if placement.phase == "measure" else 11 * GB
+            trainer.strategy.engine.meter.measured = StepMemory(peak=peak, kept_graph=1 * GB, batch=8, seq=8, hidden=16)
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        _Device.engine = None
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_runs_out_of_memory_backs_off_and_runs_again_exactly(where: str) -> None:
+    _Device.where, _Device.raised = where, 0
+    _, got = run_parity(_Net, megatrain(), max_steps=6, callbacks=[_Measurements()])
+    summary = got.trainer.strategy.placement_summary
+    log = summary["log"]
+    assert log[0].startswith("placement chosen from the first step") and "keep_activations=4" in log[0], log
+    assert _Device.raised == summary["backed_off"] >= 1 and all("ran out of device memory" in m for m in log[1:-1])
+    assert summary["phase"] == "done" and summary["keep_activations"] <= _Device.capacity
+    assert log[-1].startswith("placement tried: peak 11.0 GB"), log
