@@ -392,6 +392,7 @@ class MegaTrainStrategy(ParallelStrategy):
             self.placement.out_of_memory()
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._aborted = None  # a new attempt: an id seen by _abort before may belong to a new exception now
         self._sync_trainable()
         self._refresh_if_written()
         interrupts = self.precision_plugin.interrupts

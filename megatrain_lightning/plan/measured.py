@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from ..config import EngineConfig
 from ..hardware import HardwareProfile
@@ -74,7 +75,7 @@ def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
     return e
 
 
-def _largest(ok, lo: int, hi: int) -> int:
+def _largest(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest n in [lo, hi] with ok(n), ok monotone (lo assumed ok)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
