@@ -135,7 +135,7 @@ class AutoPlacement:
 
     def _choose(self, step: Any) -> None:
         engine = self.engine
-        weights = max(s.numel for s in engine.stores) * torch.empty((), dtype=engine.compute_dtype).element_size()
+        weights = max(s.numel for s in engine.stores) * engine.compute_dtype.itemsize
         m = Measured(peak=float(step.peak), kept_graph=float(step.kept_graph), block_weights=float(weights),
                      budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks),
                      matmuls_ratio=matmuls_ratio(self.shape) if self.shape is not None else None)

@@ -230,7 +230,7 @@ class _Measurements(pl.Callback):
         placement = getattr(trainer.strategy, "placement", None)
         if placement is not None and placement.phase != "done":
             peak = 10 * GB if placement.phase == "measure" else 11 * GB
-            trainer.strategy.engine.meter.measured = StepMemory(peak=peak, kept_graph=1 * GB, batch=8, seq=8, hidden=16)
+            trainer.strategy.engine.meter.measured = StepMemory(peak=peak, kept_graph=1 * GB, batch=8, seq=8)
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         _Device.engine = None

@@ -21,9 +21,8 @@ class StepMemory:
 
     peak: int = 0  # device bytes held at once, from the step's start to its backward's end
     kept_graph: int = 0  # the largest graph one recompute built: a kept block's activations
-    batch: int = 0  # a block input's shape: batch x sequence x hidden
+    batch: int = 0  # a block input's batch and sequence (its hidden states: batch x sequence x hidden)
     seq: int = 0
-    hidden: int = 0
     started: bool = False
 
     @property
@@ -105,7 +104,7 @@ class StepMeter:
             return
         x = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 3), None)
         if x is not None:
-            m.batch, m.seq, m.hidden = x.shape
+            m.batch, m.seq = x.shape[:2]
 
     def mark(self) -> int:
         """Bytes allocated before a recompute (0 unless measuring)."""
