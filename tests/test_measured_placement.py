@@ -194,6 +194,8 @@ class _Net(pl.LightningModule):
         h = self.inp(x)
         for b in self.blocks:
             h = b(h)
+        if _Device.where == "loss" and _Device.full():  # every block ran, the loss's logits do not fit
+            _Device.out_of_memory()
         return torch.nn.functional.mse_loss(self.out(h).squeeze(-1), y)
 
     def train_dataloader(self):
@@ -246,3 +248,62 @@ def test_a_step_that_runs_out_of_memory_backs_off_and_runs_again_exactly(where: 
     assert _Device.raised == summary["backed_off"] >= 1 and all("ran out of device memory" in m for m in log[1:-1])
     assert summary["phase"] == "done" and summary["keep_activations"] <= _Device.capacity
     assert log[-1].startswith("placement tried: peak 11.0 GB"), log
+
+
+@pytest.mark.parametrize("where,module,precision", [("forward", "net", "32-true"), ("loss", "net", "32-true"),
+                                                    ("backward", "net", "32-true"), ("loss", "hf", "bf16-mixed")])
+def test_the_activations_of_a_step_that_ran_out_of_memory_are_freed(where: str, module: str, precision: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed attempt's kept blocks built graphs (their activations, on a GPU its device memory): once the
+    strategy has backed off, nothing may hold them, or the next attempt runs out with memory no one uses."""
+    import gc
+    import weakref
+
+    from megatrain_lightning.engine import block as block_mod
+
+    kept: list[weakref.ref] = []
+    forward = block_mod.StreamedBlock.forward
+
+    def recording(ctx, *args):
+        outs = forward(ctx, *args)
+        if ctx.kept is not None:
+            kept.append(weakref.ref(ctx.kept[0][0]))  # an output of the block's own graph
+        return outs
+
+    monkeypatch.setattr(block_mod.StreamedBlock, "forward", staticmethod(recording))
+    _Device.where, _Device.raised = where, 0
+    got = fit(_Net if module == "net" else _HFNet, megatrain(), max_steps=3, callbacks=[_Measurements()],
+              precision=precision)
+    assert got.trainer.strategy.placement_summary["backed_off"] >= 1
+    gc.collect()
+    alive = [r() for r in kept if r() is not None]
+    assert kept and not alive, f"{len(alive)} of {len(kept)} kept blocks' graphs still alive after the fit"
+
+
+class _HFNet(pl.LightningModule):
+    """A tiny Hugging Face Qwen2, as in tests/test_auto_placement_cuda.py, whose loss does not fit while
+    more than ``_Device.capacity`` blocks are kept (the logits' allocation ran out there on the H200)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64, use_cache=False, tie_word_embeddings=False)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+    def training_step(self, batch, _):
+        (ids,) = batch
+        hidden = self.model.model(input_ids=ids).last_hidden_state
+        if _Device.where == "loss" and _Device.full():
+            _Device.out_of_memory()
+        logits = self.model.lm_head(hidden)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 16), generator=g)),
+                                           batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
