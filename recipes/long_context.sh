@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# bash recipes/long_context.sh [part ...]     parts: plan tests layer 128k 256k-proxy 256k-memory 512k-proxy
+# bash recipes/long_context.sh [part ...]     parts: plan tests layer 128k 256k-proxy 256k-memory 256k 512k-proxy
 #                                            (default: plan tests layer 128k 256k-proxy)
 #
 # The GPU figures of issue 17 (long context at 7B on one H200), on the device machine (nvidia-h200: one H200,
-# 135 GB host). Nothing here has been run on a GPU yet: each part says what it measures and what to compare.
+# 135 GB host). Each part says what it measures and what to compare; layer, 256k-proxy and 256k-memory ran on
+# 2026-12-02 (recipes/results/2026-12-02-h200-session5.md).
 # Times are the planner's (h200 profile, hardware=auto on the device machine): ~2 min of setup per 7B run
 # (meta init into the host store) plus the steps.
 #
@@ -15,14 +16,17 @@
 #                cuDNN: forward, recompute, backward seconds, model TFLOPS per layer, peak allocated against
 #                the planner's working set (~1 min). The issue's 550 model TFLOPS at 256 K needs the attention
 #                (89% of the FLOPs there) at roughly 2x what the planner assumes for FlashAttention-2: this
-#                says which backend gets there, if any.
+#                says which backend gets there, if any. Measured 2026-12-02: 37 s; cuDNN 619, flash 415 at 256 K.
 #   128k         7B, one 128 K-token row per step, 3 steps (the last one timed): tokens/s, model TFLOPS
 #                (target >= 600), peak GPU reserved against the plan (target within 10%); ~6 min
 #   256k-proxy   the 256 K row through 8 of the 28 layers, 3 steps: the per-layer rate at 256 K (target
 #                >= 550 model TFLOPS; the resident head and embedding weigh 2-3% more here than at depth 28)
-#                and the peak against the plan of the same 8-layer model; ~5 min
+#                and the peak against the plan of the same 8-layer model; ~5 min (measured: 177 s, 658 TFLOPS)
 #   256k-memory  the full 7B at 256 K, one step: the peak GPU memory of the issue's headline run against the
 #                plan (its step time includes the first step's warm-up: not a throughput figure); ~7 min
+#                (measured: 254 s, 103.1 GiB reserved against 96.4 GiB planned)
+#   256k         the full 7B at 256 K, 3 steps (the third timed): the headline throughput; ~9 min from the
+#                measured parts (about 2 min of setup, then ~140 s per step), a device call of its own
 #   512k-proxy   512 K tokens through 8 layers, one step: the 512 K working set (68 GB planned) against the
 #                plan, which is what decides whether a GH200 (96 GB) holds 512 K; ~7 min
 #
@@ -57,9 +61,11 @@ for part in "${parts[@]}"; do
       bench --run "$LC model.config.num_hidden_layers=8 trainer.max_steps=3" ;;
     256k-memory)
       bench --run "$LC trainer.max_steps=1" ;;
+    256k)
+      bench --run "$LC trainer.max_steps=3" ;;
     512k-proxy)
       bench --run "$LC data.seq_len=524288 model.config.num_hidden_layers=8 trainer.max_steps=1" ;;
     *)
-      echo "unknown part: $part (plan tests layer 128k 256k-proxy 256k-memory 512k-proxy)" >&2; exit 2 ;;
+      echo "unknown part: $part (plan tests layer 128k 256k-proxy 256k-memory 256k 512k-proxy)" >&2; exit 2 ;;
   esac
 done

@@ -281,24 +281,29 @@ def test_the_activations_of_a_step_that_ran_out_of_memory_are_freed(where: str, 
 
 
 class _HFNet(pl.LightningModule):
-    """A tiny Hugging Face Qwen2, as in tests/test_auto_placement_cuda.py, whose loss does not fit while
-    more than ``_Device.capacity`` blocks are kept (the logits' allocation ran out there on the H200)."""
+    """A tiny Hugging Face Qwen2 with its own loss, as in tests/test_auto_placement_cuda.py, whose loss
+    function does not fit while more than ``_Device.capacity`` blocks are kept (inside ``ForCausalLMLoss``,
+    at the logits' upcast, is where it ran out on the H200)."""
 
     def __init__(self) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM, Qwen2Config
+        from transformers.loss.loss_utils import ForCausalLMLoss
 
         config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=64, use_cache=False, tie_word_embeddings=False)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
+        def loss(logits, labels, vocab_size, **kwargs):
+            if _Device.where == "loss" and _Device.full():
+                _Device.out_of_memory()
+            return ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+        self.model.loss_function = loss
+
     def training_step(self, batch, _):
         (ids,) = batch
-        hidden = self.model.model(input_ids=ids).last_hidden_state
-        if _Device.where == "loss" and _Device.full():
-            _Device.out_of_memory()
-        logits = self.model.lm_head(hidden)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return self.model(input_ids=ids, labels=ids).loss
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(3)
