@@ -254,8 +254,9 @@ def test_a_step_that_runs_out_of_memory_backs_off_and_runs_again_exactly(where: 
                                                     ("backward", "net", "32-true"), ("loss", "hf", "bf16-mixed")])
 def test_the_activations_of_a_step_that_ran_out_of_memory_are_freed(where: str, module: str, precision: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed attempt's kept blocks built graphs (their activations, on a GPU its device memory): once the
-    strategy has backed off, nothing may hold them, or the next attempt runs out with memory no one uses."""
+    """A failed attempt's kept blocks built graphs (their activations: on a GPU, device memory). Once the
+    strategy has backed off, nothing may hold them, or the next attempt runs out of memory no one uses.
+    Checked through weak references to each kept block's own outputs (alive as long as its graph is)."""
     import gc
     import weakref
 
