@@ -83,7 +83,7 @@ def test_multirun_tabulates_every_run_including_a_failed_one(tmp_path: Path) -> 
     assert [r["job"] for r in rows] == ["0", "1"]
     ok, failed = rows
     assert ok["status"] == "ok" and ok["model"] == "tiny" and ok["strategy"] == "megatrain"
-    assert float(ok["tokens_per_s"]) > 0 and int(ok["params"]) == 558080 and ok["micro_batch"] == "64"
+    assert float(ok["tokens_per_s"]) > 0 and int(ok["params"]) == 558080 and ok["micro_batch"] == "32"
     assert failed["status"].startswith("error: ") and "host memory" in failed["status"]
     assert int(failed["params"]) == 558080  # known from run_info.json, written before the check
     table = (sweep_dir / "sweep_results.md").read_text().splitlines()
