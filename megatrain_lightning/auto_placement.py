@@ -117,8 +117,9 @@ class AutoPlacement:
         updated; :attr:`can_back_off` was True): a smaller placement is taken, for the caller to run the
         step again."""
         assert self.can_back_off and self.measured is not None
+        held = float(self.engine.meter.memory.reserved())  # what the device gave this process: it ran out there
         gc.collect()  # the failed attempt's frames and tracebacks form cycles: free their device tensors now
-        self.measured, smaller = after_out_of_memory(self.measured, self.engine.config, self.unset)
+        self.measured, smaller = after_out_of_memory(self.measured, self.engine.config, self.unset, held)
         self.backed_off += 1
         self.predicted = None
         self._take(smaller, "backed off (the step on the chosen placement ran out of device memory; it runs again)")
@@ -154,16 +155,20 @@ class AutoPlacement:
 
     def _check(self, step: Any) -> None:
         assert self.measured is not None
-        if step.peak <= self.measured.budget:
+        # Once a step ran out, the device is known to be tight: the segments the allocator reserved count too
+        # (a placement whose tensors fit with a little to spare can still run out through fragmentation).
+        peak, what = ((max(step.peak, step.reserved), "reserved") if self.measured.capacity > 0
+                      else (step.peak, "peak"))
+        if peak <= self.measured.budget:
             self.phase = "done"
-            self._say(f"placement tried: peak {step.peak / GB:.1f} GB of the {self.measured.budget / GB:.1f} GB "
+            self._say(f"placement tried: {what} {peak / GB:.1f} GB of the {self.measured.budget / GB:.1f} GB "
                       "budget; it stays")
             return
-        self.measured, smaller = back_off(self.measured, self.engine.config, float(step.peak), self.unset)
+        self.measured, smaller = back_off(self.measured, self.engine.config, float(peak), self.unset)
         self.backed_off += 1
         self.predicted = None
-        self._take(smaller, f"backed off (the step on the chosen placement peaked at {step.peak / GB:.1f} GB, above "
-                            f"the {self.measured.budget / GB:.1f} GB budget)")
+        self._take(smaller, f"backed off (the step on the chosen placement {'reserved' if what == 'reserved' else 'peaked at'} "
+                            f"{peak / GB:.1f} GB, above the {self.measured.budget / GB:.1f} GB budget)")
 
     def _take(self, chosen: EngineConfig, why: str, predicted: float | None = None) -> None:
         engine = self.engine

@@ -168,6 +168,17 @@ def test_both_outcomes_were_seen() -> None:
 def test_a_ctrl_c_in_the_backward_waits_for_the_step_and_resumes_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict
 ) -> None:
+    # Python's own Ctrl-C handler, as in a fresh process (the strategy holds a SIGINT only where it is; a
+    # handler left by an earlier test of this process would take the signal instead), and after the test
+    # whatever was there: Lightning's graceful shutdown leaves SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_in_the_backward(tmp_path, monkeypatch, references)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_in_the_backward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict) -> None:
     _inject(monkeypatch, "block backward", 2, sigint=True)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, save_top_k=0, every_n_train_steps=0)
     with pytest.raises(SystemExit):  # Lightning's graceful shutdown on KeyboardInterrupt ends in sys.exit(1)

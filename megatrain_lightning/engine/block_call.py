@@ -37,17 +37,26 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
         spec = CallSpec(args, kwargs)
         if engine.meter.active:
             engine.meter.note_input([*args, *kwargs.values()])
-        # Identity saved-tensor hooks: an outer activation checkpoint (timm's, torch.utils.checkpoint
-        # around the block) records nothing of this call, so it never needs to recompute it; the
-        # engine's own recompute stands in for it.
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        # Saved-tensor hooks that store what autograd stores without hooks: an outer activation checkpoint
+        # (timm's, torch.utils.checkpoint around the block) records nothing of this call, so it never needs
+        # to recompute it; the engine's own recompute stands in for it. A kept block builds its graph in
+        # here too (block.py).
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             outs = StreamedBlock.apply(engine, index, spec, engine.anchor(), *spec.take_tensors())
         return spec.rebuild_output(outs)
 
     return forward
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    # Detached, as autograd saves a tensor itself: a node saving its own output (attention's, tanh's) gets the
+    # output with its grad_fn here, and holding that would make a cycle through C++ that Python's garbage
+    # collector cannot see: a kept block's graph whose backward never runs (a step that raised) would never
+    # be freed. The unpacked output gets its grad_fn back from the node that saved it.
+    return t.detach()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 

@@ -20,6 +20,7 @@ class StepMemory:
     """What one measured micro-batch showed (``StreamingEngine.measure_next``), in bytes and elements."""
 
     peak: int = 0  # device bytes held at once, from the step's start to its backward's end
+    reserved: int = 0  # the most bytes the allocator held over the same span (its tensors' and fragmentation)
     kept_graph: int = 0  # the largest graph one recompute built: a kept block's activations
     batch: int = 0  # a block input's batch and sequence (its hidden states: batch x sequence x hidden)
     seq: int = 0
@@ -48,6 +49,14 @@ class DeviceMemory:
     def peak(self) -> int:
         """The most bytes held by tensors at once since :meth:`reset_peak`."""
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+
+    def reserved(self) -> int:
+        """Bytes the allocator holds now (its tensors' and the free space in its segments)."""
+        return torch.cuda.memory_reserved(self.device) if self.cuda else 0
+
+    def peak_reserved(self) -> int:
+        """The most bytes the allocator held at once since :meth:`reset_peak`."""
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else 0
 
     def usable(self) -> int:
         """Bytes this process's tensors may come to hold: what the device has free (other processes and
@@ -89,6 +98,7 @@ class StepMeter:
     def end(self) -> None:
         if self.active and self._step is not None:
             self._step.peak = self.memory.peak()
+            self._step.reserved = self.memory.peak_reserved()
             self.measured, self._step = self._step, None
 
     def restart(self) -> None:

@@ -18,7 +18,10 @@ many more cached weights as fit. Fields the user set are never changed.
 The next micro-batch, on the chosen placement, is measured too: a peak above the budget moves ``P`` up by
 what the prediction missed and the placement is clamped again (:func:`back_off`); running out of memory
 halves what the placement added to the streaming step (:func:`after_out_of_memory`), down to streaming,
-which the first step showed fits. Lightning-free, CUDA-free.
+which the first step showed fits. Running out also says what the device really gives this process (the
+bytes its allocator held then): from then on the budget is at most :data:`~.placement.HEADROOM` of that, and
+a tried step is held to it by the memory it reserved (fragmentation included), not only by what its tensors
+held. Lightning-free, CUDA-free.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..config import EngineConfig
 from ..hardware import HardwareProfile
 from .fit import resolve
 from .memory import block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
-from .placement import choose_placement
+from .placement import HEADROOM, choose_placement
 from .run import Workload
 from .shape import PlanShape
 from .timing import step_times
@@ -47,6 +50,7 @@ class Measured:
     budget: float  # what a placement may plan for
     layers: int
     matmuls_ratio: float | None = None  # G under kept_saves="matmuls" over G; None: not offered
+    capacity: float = 0.0  # what the allocator held when a step ran out of device memory; 0: none has
 
     def predicted_peak(self, e: EngineConfig) -> float:
         ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
@@ -125,11 +129,17 @@ def back_off(m: Measured, e: EngineConfig, peak: float, unset: tuple[str, ...]) 
     return m, clamp(m, e, unset)
 
 
-def after_out_of_memory(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> tuple[Measured, EngineConfig]:
-    """``e`` ran out of device memory: a budget that halves what it added to the streaming step; at the last,
-    the streaming placement itself (the measured step ran on it)."""
+def after_out_of_memory(m: Measured, e: EngineConfig, unset: tuple[str, ...], held: float = 0.0
+                        ) -> tuple[Measured, EngineConfig]:
+    """``e`` ran out of device memory with ``held`` bytes reserved by the allocator (0: unknown): a budget that
+    halves what it added to the streaming step, and at most :data:`HEADROOM` of the smallest ``held`` seen;
+    at the last, the streaming placement itself (the measured step ran on it)."""
     added = m.predicted_peak(e) - m.peak
-    m = dataclasses.replace(m, budget=m.peak + added / 2)
+    capacity = min(c for c in (m.capacity, held) if c > 0) if m.capacity > 0 or held > 0 else 0.0
+    budget = m.peak + added / 2
+    if capacity > 0:
+        budget = min(budget, HEADROOM * capacity)
+    m = dataclasses.replace(m, budget=budget, capacity=capacity)
     smaller = clamp(m, e, unset)
     if smaller == e:  # nothing left to take away but the whole choice
         smaller = dataclasses.replace(e, **{f: None for f in unset}).filled()
