@@ -158,3 +158,38 @@ def test_half_kernel_equals_whole_parameter_kernel(half_path: str) -> None:
         finally:
             host_adam.CHUNK_ELEMS = None
         assert torch.equal(master, ref_master) and torch.equal(m, ref_m) and torch.equal(v, ref_v), chunk
+
+
+def test_a_store_lets_go_of_the_gradient_buffer_it_no_longer_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose updates do not overlap its backward (the one that tries a placement, on a GPU) fills fp32
+    accumulators (4 B/param); the overlapped steps after it send bf16 into buffers of half that size. A store
+    must then hold one of them, not both: on the H200 a 7B run at 128 K tokens kept both, its host memory
+    13.7 GB over the plan, and the steps after the tried one no longer fitted the 126 GiB host. Exact either
+    way: the same run as with fp32 gradients throughout, bit for bit."""
+    from megatrain_lightning.strategy import MegaTrainStrategy
+
+    overlap = MegaTrainStrategy._overlap_target
+    seen = {"n": 0}
+
+    def first_two_without(self: MegaTrainStrategy) -> Any:
+        seen["n"] += 1
+        return None if seen["n"] <= 2 else overlap(self)
+
+    monkeypatch.setattr(MegaTrainStrategy, "_overlap_target", first_two_without)
+
+    class Buffers(EngineProbe):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            engine = trainer.strategy.engine
+            engine.settle()
+            self.both = getattr(self, "both", 0) + sum(s.grad is not None and s._own_half_grad is not None
+                                                       for s in engine.stores)
+            self.fp32 = [s.grad is not None for s in engine.stores]
+
+    ref = fit(TinyLlama, megatrain(bf16_grads=False, grad_buffers=0), precision="bf16-mixed", max_steps=6)
+    seen["n"] = 0
+    probe = Buffers()
+    got = fit(TinyLlama, megatrain(bf16_grads=True, grad_buffers=0), precision="bf16-mixed", callbacks=[probe],
+              max_steps=6)
+    assert probe.half_sent == 3 * 4, probe.half_sent  # the 3 blocks of the 4 overlapped steps
+    assert probe.both == 0 and not any(probe.fp32), (probe.both, probe.fp32)
+    _assert_identical(ref, got)

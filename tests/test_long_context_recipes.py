@@ -25,6 +25,6 @@ def test_long_context_layer_recipe_smoke_on_the_cpu(tmp_path: Path, monkeypatch:
 
     out = tmp_path / "layer.md"
     monkeypatch.setattr(sys, "argv", ["long_context_layer.py", "--device", "cpu", "--tokens", "96", "--chunk", "32",
-                                      "--backends", "flash", "--out", str(out)])
+                                      "--backends", "flash", "--out", str(out), "--small"])
     assert load("long_context_layer").main() == 0
     assert "| flash | 96 |" in out.read_text()

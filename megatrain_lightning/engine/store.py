@@ -219,10 +219,26 @@ class FlatStore:
         (:meth:`lend_grad`).
         """
         if self.grad is None:
+            self._free_own_half_grad()  # 2 B/param idle since the last overlapped step: not both at once
             self.grad = self._pins.empty(self.train_numel)
             self.grad.zero_()
             self.grad_views = self.train_views(self.grad)
         return self.grad
+
+    def free_own_grad(self) -> None:
+        """Let go of the store's own fp32 gradient accumulator while it holds nothing (no parameter's
+        ``.grad`` is a view of it): the gradients go as bf16 from now on (:meth:`hold_half_grad`), and a
+        7B model would otherwise keep both, 4 + 2 B/param of host memory (the step that tries a placement
+        does not overlap its updates, so it fills fp32 accumulators; the steps after it send bf16)."""
+        if self.grad is None or self.grad_lent or any(p.grad is not None for p in self.trainable):
+            return
+        self._pins.release([self.grad])
+        self.grad, self.grad_views = None, []
+
+    def _free_own_half_grad(self) -> None:
+        if self._own_half_grad is not None and self.half_grad is None:
+            self._pins.release([self._own_half_grad])
+            self._own_half_grad = None
 
     def lend_grad(self, buffer: torch.Tensor) -> None:
         """Use ``buffer`` (pinned fp32, at least ``train_numel`` long) as the gradient accumulator until
@@ -258,6 +274,7 @@ class FlatStore:
         if lent is not None:
             buf = lent[: h + w]
         else:
+            self.free_own_grad()  # an fp32 accumulator idle since a step without overlap: not both at once
             if self._own_half_grad is None:
                 self._own_half_grad = self._pins.empty(h + w)
             buf = self._own_half_grad
