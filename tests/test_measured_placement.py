@@ -270,9 +270,14 @@ def test_the_activations_of_a_step_that_ran_out_of_memory_are_freed(where: str, 
 
     from megatrain_lightning.auto_placement import AutoPlacement
 
-    def graphs() -> list[str]:
+    def live() -> list[torch.Tensor]:
         gc.collect()
-        return [o.grad_fn.name() for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+
+    before = {id(t) for t in live()}  # what earlier tests of this process left alive is not this run's
+
+    def graphs() -> list[str]:
+        return [t.grad_fn.name() for t in live() if id(t) not in before]
 
     seen: list[list[str]] = []
     out_of_memory = AutoPlacement.out_of_memory
