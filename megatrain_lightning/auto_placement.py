@@ -157,17 +157,17 @@ class AutoPlacement:
         assert self.measured is not None
         # Once a step ran out, the device is known to be tight: the segments the allocator reserved count too
         # (a placement whose tensors fit with a little to spare can still run out through fragmentation).
-        peak, what = ((max(step.peak, step.reserved), "reserved") if self.measured.capacity > 0
-                      else (step.peak, "peak"))
+        reserved = self.measured.capacity > 0
+        peak = max(step.peak, step.reserved) if reserved else step.peak
         if peak <= self.measured.budget:
             self.phase = "done"
-            self._say(f"placement tried: {what} {peak / GB:.1f} GB of the {self.measured.budget / GB:.1f} GB "
-                      "budget; it stays")
+            self._say(f"placement tried: {'reserved' if reserved else 'peak'} {peak / GB:.1f} GB of the "
+                      f"{self.measured.budget / GB:.1f} GB budget; it stays")
             return
         self.measured, smaller = back_off(self.measured, self.engine.config, float(peak), self.unset)
         self.backed_off += 1
         self.predicted = None
-        self._take(smaller, f"backed off (the step on the chosen placement {'reserved' if what == 'reserved' else 'peaked at'} "
+        self._take(smaller, f"backed off (the step on the chosen placement {'reserved' if reserved else 'peaked at'} "
                             f"{peak / GB:.1f} GB, above the {self.measured.budget / GB:.1f} GB budget)")
 
     def _take(self, chosen: EngineConfig, why: str, predicted: float | None = None) -> None:

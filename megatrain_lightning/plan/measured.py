@@ -135,7 +135,7 @@ def after_out_of_memory(m: Measured, e: EngineConfig, unset: tuple[str, ...], he
     halves what it added to the streaming step, and at most :data:`HEADROOM` of the smallest ``held`` seen;
     at the last, the streaming placement itself (the measured step ran on it)."""
     added = m.predicted_peak(e) - m.peak
-    capacity = min(c for c in (m.capacity, held) if c > 0) if m.capacity > 0 or held > 0 else 0.0
+    capacity = min((c for c in (m.capacity, held) if c > 0), default=0.0)
     budget = m.peak + added / 2
     if capacity > 0:
         budget = min(budget, HEADROOM * capacity)
