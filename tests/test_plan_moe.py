@@ -37,6 +37,8 @@ def test_active_block_params_by_hand_and_as_model_shape_counts_them() -> None:
         assert shape.active_fraction == pytest.approx(shape.active_block_params / shape.block_params)
         resident_active = shape.resident_params - model.get_input_embeddings().weight.numel()
         assert ModelShape.of(model).active_params == shape.active_blocks + resident_active
+        # the planner's model FLOPs (its "model TFLOPS") count the same active parameters as the run's figure
+        assert shape.model_flops_per_token(24) == ModelShape.of(model).flops_per_token(24)
 
 
 def test_a_dense_model_has_every_block_parameter_active() -> None:

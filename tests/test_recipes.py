@@ -27,3 +27,15 @@ def test_moe_router_loss_recipe_matches_the_default_strategy() -> None:
     out = load("moe_router_loss").main(["--steps", "3", "--compare"])
     assert out["max_loss_rel_diff"] < 1e-5 and out["max_param_rel_diff"] < 1e-5
     assert len(out["megatrain"]["idle_experts_per_step"]) == 3
+
+
+def test_moe_layer_recipe_smoke_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """recipes/moe_layer.py --small: every variant runs, and fused_sinks lands as close to the fp64 reference
+    as fp32 eager attention does (the table's first row)."""
+    assert load("moe_layer").main(["--small", "--micro-batch", "1", "--seq-len", "160", "--reps", "1",
+                                   "--attn", "fused_sinks", "--check-fp32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| attn=")]
+    errors = {row.split("|")[1].strip(): [float(e) for e in row.split("|")[5].split()] for row in rows}
+    eager, fused = errors["attn=eager experts=eager"], errors["attn=fused_sinks experts=grouped_mm"]
+    assert fused[0] < 1e-6  # the layer outputs
+    assert all(f < 3 * max(e, 1e-6) for f, e in zip(fused, eager)), (fused, eager)

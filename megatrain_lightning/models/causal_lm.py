@@ -27,6 +27,7 @@ from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.models.build import hf_config, load_pretrained, materialize, meta_model, pretrained_config
 from megatrain_lightning.models.chunked_mlp import chunk_mlp
 from megatrain_lightning.models.lr_schedule import WarmupCosine
+from megatrain_lightning.models import sink_attention
 from megatrain_lightning.models.model_shape import ModelShape
 from megatrain_lightning.models.tokenizer import load_tokenizer
 
@@ -138,7 +139,9 @@ class CausalLM(pl.LightningModule):
     def _attn_impl(self) -> str | None:
         impl = self.hparams.attn_implementation
         if impl == "sdpa" and self.hf_config.model_type == "gpt_oss":
-            return "eager"  # SDPA has no attention sinks; transformers refuses it for GPT-OSS
+            # transformers' SDPA has no attention sinks (it refuses GPT-OSS): the same function through SDPA's
+            # fused kernels (models/sink_attention.py), exactly eager attention's softmax with the sinks
+            return sink_attention.NAME
         return impl
 
     @override

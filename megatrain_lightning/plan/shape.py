@@ -60,10 +60,11 @@ class PlanShape:
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token (DESIGN.md section 6, as ``models.ModelShape``): ``6·N + 12·L·H·Q·T``, N without
-        the input embedding table (a lookup) unless it is tied to the head. Dense models: every parameter
-        is active."""
+        the input embedding table (a lookup) unless it is tied to the head; a mixture of experts counts the
+        block parameters a token passes through (``active_blocks``), as ``ModelShape.active_params`` does."""
         lookup = self.vocab * self.hidden if self.untied_head() else 0
-        return 6 * (self.total_params - lookup) + 12 * self.layers * self.heads * self.head_dim * seq_len
+        active = self.total_params - (self.block_params - self.active_blocks)
+        return 6 * (active - lookup) + 12 * self.layers * self.heads * self.head_dim * seq_len
 
     @classmethod
     def of(cls, model: Any) -> PlanShape:
