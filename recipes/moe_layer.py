@@ -23,10 +23,11 @@ import sys
 import torch
 
 
+from megatrain_lightning.models import sink_attention  # noqa: E402  registers attn_implementation="fused_sinks"
+
+
 def build(args: argparse.Namespace, device: str, dtype: torch.dtype):
     from transformers import GptOssConfig, GptOssForCausalLM
-
-    import megatrain_lightning.models  # noqa: F401  registers attn_implementation="fused_sinks"
 
     small = args.small
     config = GptOssConfig(
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     for attn, experts in variants:
         label = f"attn={attn} experts={experts}"
         try:
-            model.set_attn_implementation(attn)
+            # "fused_sinks:unchunked": sliding-window layers through one masked call over all keys
+            sink_attention.CHUNK_SLIDING = not attn.endswith(":unchunked")
+            model.set_attn_implementation(attn.split(":")[0])
             model.set_experts_implementation(experts)
             if args.check_fp32:
                 torch.backends.cuda.matmul.allow_tf32 = False

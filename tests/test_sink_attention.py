@@ -56,7 +56,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,window,seq", [
-    (8, 2, 8, 24),   # grouped heads, sliding window shorter than the sequence: masked path on sliding layers
+    (8, 2, 8, 24),   # grouped heads, a window under a third of the sequence: sliding layers in chunks
+    (8, 2, 8, 12),   # a window over half the sequence: sliding layers through one masked call
     (8, 4, 64, 24),  # no grouping, window longer than the sequence: SDPA's causal path on every layer
     (6, 2, 5, 17),   # head dim not a multiple of 8 (padded to 8), odd lengths
 ])

@@ -58,18 +58,20 @@ class Plan:
         return self.host_total <= self.host_available and self.gpu_total <= self.gpu_available
 
 
-def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile, **older: bool) -> Run:
+def resolve(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile, tried: bool = False,
+            **older: bool) -> Run:
     """``engine``'s automatic choices as the strategy will make them on ``hw``: ``grad_buffers`` by the one
     policy (``config.grad_buffers_for``), ``bf16_grads=None`` as on (the one-pass kernel assumed to build
-    on the target). ``older``: :class:`Run`'s ``compact_native`` / ``head_in_backward``."""
+    on the target). ``tried``: the strategy measures and tries its own placement (:class:`Run`'s field).
+    ``older``: :class:`Run`'s ``compact_native`` / ``head_in_backward``."""
     engine = engine.filled().for_blocks(shape.layers)
     if engine.bf16_grads is None:
         engine = dataclasses.replace(engine, bf16_grads=True)
     if engine.grad_buffers is None:
-        own = Run(work, dataclasses.replace(engine, grad_buffers=0), **older)
+        own = Run(work, dataclasses.replace(engine, grad_buffers=0), tried=tried, **older)
         pool = grad_buffers_for(None, sum(host_bytes(shape, own).values()), hw.host_memory_gb * GB)
         engine = dataclasses.replace(engine, grad_buffers=pool)
-    return Run(work, engine, **older)
+    return Run(work, engine, tried=tried, **older)
 
 
 def _largest(shape: PlanShape, run: Run, available: float, field: str, limit: int,
@@ -115,6 +117,8 @@ def make_plan(shape: PlanShape, run: Run, hw: HardwareProfile, model: str = "the
             f"{state / GB:,.1f} GB of master, gradient and AdamW state at {state / shape.total_params:.1f} "
             f"B/param, {(host_total - state) / GB:.1f} GB staging and process",
             compact_need=compact_host_bytes(shape, run),
+            placed_needs=(sum(host_bytes(shape, run.replace(tried=False)).values()),
+                          compact_host_bytes(shape, run.replace(tried=False))) if run.tried else None,
         )
     pinned = pinned_bytes(shape, run)
     pinned_ok = hw.accelerator == "cuda" and pinned <= hw.pinned_budget_gb * GB
@@ -189,13 +193,24 @@ def device_shortfall(model: str, run: Run, need: float, available: float, hw: Ha
 
 
 def refuse_host_memory(model: str, num_params: int, need: float, hw: HardwareProfile, what: str,
-                       compact_need: float | None = None) -> None:
+                       compact_need: float | None = None,
+                       placed_needs: tuple[float, float | None] | None = None) -> None:
     """The one host fit refusal: a ConfigError with the numbers and what to change. ``compact_need``: the host
-    bytes with ``host_state=compact`` (None: not an option, or already chosen)."""
+    bytes with ``host_state=compact`` (None: not an option, or already chosen). ``placed_needs``: where the
+    strategy would measure and try its own placement (``Run.tried``), the bytes with the placement set by hand,
+    as it is and compact."""
     available = hw.host_memory_gb * GB
+    placed, placed_compact = placed_needs or (None, None)
+    fields = ("the placement fields (strategy.engine.slots, keep_activations, kept_saves, cache_weights, "
+              "offload_inputs: no step is then measured or tried, whose fp32 gradients are the peak)")
     if compact_need is not None and compact_need <= available:
         first = (f"set strategy.engine.host_state=compact, which needs {compact_need / GB:,.1f} GB and fits "
                  f"(4 B/param less; docs/compact_state.md), or choose a smaller model")
+    elif placed is not None and placed <= available:
+        first = f"set {fields}, which needs {placed / GB:,.1f} GB and fits, or choose a smaller model"
+    elif placed_compact is not None and placed_compact <= available:
+        first = (f"set strategy.engine.host_state=compact (docs/compact_state.md) and {fields}: "
+                 f"{placed_compact / GB:,.1f} GB, which fits; or choose a smaller model")
     elif compact_need is not None:
         first = (f"choose a smaller model (strategy.engine.host_state=compact is not enough: it still needs "
                  f"{compact_need / GB:,.1f} GB)")

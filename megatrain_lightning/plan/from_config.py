@@ -73,6 +73,7 @@ def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bo
     shape = shape or model_shape(cfg)
     precision = str(cfg.trainer.get("precision") or hw.precision) if cfg.get("trainer") is not None else str(hw.precision)
     work, requested = workload(cfg, precision.startswith("bf16")), engine_config(cfg)
-    run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, **older)
+    tried = bool(requested.unset) and hw.accelerator == "cuda"  # the strategy measures and tries its placement
+    run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, tried=tried, **older)
     plan = make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
     return dataclasses.replace(plan, chosen=requested.unset if hw.accelerator == "cuda" else ())

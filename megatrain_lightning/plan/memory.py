@@ -55,20 +55,26 @@ def resident_part_params(shape: PlanShape, run: Run) -> int:
 
 def grad_host_bytes(shape: PlanShape, run: Run) -> float:
     """Gradients on the host: full-size accumulators (bf16 for blocks with ``half_grads``), or the pool
-    plus the stores larger than a block."""
+    plus the stores larger than a block. A ``tried`` run's first steps lend nothing and send no bf16: every
+    store gathers into an fp32 accumulator of its own (4 B/param), a pool coming on top once the overlapped
+    steps start (the peak counted here; seen at 7B: 125.6 GB of host RSS, and gpt-oss-20b at 8 layers, whose
+    14.7 B/param planned without them came to 16.4 and more, killed by the 126 GiB host)."""
     f = shape.trained_fraction  # frozen weights have no gradient (an even spread across stores assumed)
-    if not run.pooled_grads:
-        block_b = 2 if run.half_grads else GRAD_B
-        return f * (block_b * shape.block_params + GRAD_B * shape.resident_params)
-    own = shape.resident_params if shape.resident_params > shape.largest_block else 0
-    return f * GRAD_B * (run.grad_buffers * shape.largest_block + own)
+    if run.pooled_grads:
+        own = shape.resident_params if shape.resident_params > shape.largest_block else 0
+        pool = f * GRAD_B * (run.grad_buffers * shape.largest_block + own)
+        return pool + (f * GRAD_B * (shape.block_params + shape.resident_params - own) if run.tried else 0)
+    block_b = 2 if run.half_grads and not run.tried else GRAD_B
+    return f * (block_b * shape.block_params + GRAD_B * shape.resident_params)
 
 
 def host_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
     """Host memory by item: 16 B/param of state (compact: 12; less with pooled gradients), pinned
     gradient staging, offloaded inputs, the process."""
     grad_path = max(shape.largest_block, resident_part_params(shape, run))  # slabs and staging
-    grad_item = (f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads
+    grad_item = (f"fp32 grads (4 B/param: first steps; + pool of {run.grad_buffers})" if run.pooled_grads and run.tried
+                 else f"fp32 grads (pool of {run.grad_buffers} blocks)" if run.pooled_grads
+                 else "fp32 grads (4 B/param: first steps; then blocks bf16)" if run.half_grads and run.tried
                  else "grad buffers (blocks 2 B/param bf16, resident 4)" if run.half_grads
                  else "fp32 grad accumulator (4 B/param)")
     t = shape.trained

@@ -46,16 +46,17 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
     layers = shape.layers
 
     def fits(cand: EngineConfig) -> bool:
-        return fits_memory(shape, resolve(shape, work, cand, hw), budget, host)
+        return fits_memory(shape, resolve(shape, work, cand, hw, tried=True), budget, host)
 
     # grad_buffers and bf16_grads resolved once: the placement does not change the host footprint they
     # depend on (but for offloaded inputs, decided first), and resolving them per candidate is most of the cost
-    engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw).engine, f)
+    engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw, tried=True).engine, f)
                                             for f in ("grad_buffers", "bf16_grads")})
     offload = engine.offload_inputs
     if "offload_inputs" in unset:  # only where the streaming placement itself does not fit: the fewest that do
         streaming = dataclasses.replace(engine, keep_activations=0, cache_weights=0, offload_inputs=0).filled()
-        offload = 0 if fits(streaming) else smallest_offload(shape, resolve(shape, work, streaming, hw), budget, host)
+        offload = 0 if fits(streaming) else smallest_offload(shape, resolve(shape, work, streaming, hw, tried=True),
+                                                               budget, host)
         if offload is None:
             return engine.filled()
     best: tuple[float, float, EngineConfig] | None = None
@@ -76,7 +77,7 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
                         lo, hi = (mid, hi) if fits(dataclasses.replace(cand, cache_weights=mid)) else (lo, mid - 1)
                     cand = dataclasses.replace(cand, cache_weights=lo)
                 cand = cand.filled()
-                run = resolve(shape, work, cand, hw)
+                run = resolve(shape, work, cand, hw, tried=True)
                 pinned_ok = pinned_bytes(shape, run) <= hw.pinned_budget_gb * GB
                 step = step_times(shape, run, hw, pinned_ok)["step"] * (1 + MATMULS_MARGIN * (saves == "matmuls"))
                 key = (step, gpu_peak(gpu_bytes(shape, run)))

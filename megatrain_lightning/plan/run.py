@@ -36,13 +36,18 @@ class Run:
     ``bf16_grads`` not None: see :func:`~megatrain_lightning.plan.fit.resolve`).
 
     ``compact_native`` and ``head_in_backward`` describe older engines, for comparisons with their runs:
-    the compact update in torch ops (before commit 12283d1), one resident part (before 2f37add).
+    the compact update in torch ops (before commit 12283d1), one resident part (before 2f37add). ``tried``:
+    the run's first steps measure and try a placement (see the field).
     """
 
     work: Workload
     engine: EngineConfig
     compact_native: bool = True
     head_in_backward: bool = True
+    # The strategy places memory itself (open placement fields on a GPU): its first step is measured and its
+    # choice tried on the next, neither with an overlapped update, so both gather block gradients in fp32
+    # accumulators (4 B/param) where the steps after send bf16 ones (2 B/param): the host peak is theirs.
+    tried: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", self.engine.filled())  # an open placement plans as streaming
