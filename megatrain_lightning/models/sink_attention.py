@@ -77,6 +77,10 @@ def fused_sinks_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     width = -(-(dim + 1) // _ALIGN) * _ALIGN  # D + the sink column, rounded up: 64 -> 72
     sinks = s_aux.to(query.dtype)
+    groups = heads // key.shape[1]
+    if (CHUNK_SLIDING and attention_mask is not None and sliding_window is not None and t_q == s_kv
+            and s_kv > 2 * sliding_window):
+        return _local(query, key, value, attention_mask, sinks, scale, width, sliding_window, groups)
 
     # q: [B, Hq, T, D] -> [B, Hq, 1 + T, W]; column D holds the head's sink logit, row 0 is the dropped query
     sink_col = sinks.view(1, heads, 1, 1).expand(batch, heads, t_q, 1)
@@ -87,10 +91,6 @@ def fused_sinks_attention_forward(
     k[:, :, 0, dim] = 1.0 / scale
     v = F.pad(_pad_head(value, width), (0, 0, 1, 0))  # the sink's value row is zero
 
-    groups = heads // key.shape[1]
-    if (CHUNK_SLIDING and attention_mask is not None and sliding_window is not None and t_q == s_kv
-            and s_kv > 2 * sliding_window):
-        return _local(query, key, value, attention_mask, sinks, scale, width, sliding_window, groups)
     if attention_mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
     else:
