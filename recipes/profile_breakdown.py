@@ -207,6 +207,33 @@ def summarize_trace(trace: dict | str | Path, steps: int, window: Interval | Non
     return out
 
 
+def top_kernels(trace: dict | str | Path, steps: int, n: int = 12, window: Interval | None = None
+                ) -> list[tuple[str, float, float]]:
+    """The ``n`` kernels (by name) that take the most time on the compute stream: ``(name, seconds per
+    step, launches per step)``, costliest first; what to look at when ``compute_busy_s`` is higher than the
+    work should take."""
+    trace = load_trace(trace)
+    if window is None:
+        window = trace_span(trace, gpu_only=True)
+    events = [(ev, _stream(ev)) for ev in _complete_events(trace) if _gpu_kind(ev) == "kernel"]
+    per_stream: dict[StreamKey, float] = defaultdict(float)
+    for ev, stream in events:
+        per_stream[stream] += float(ev["dur"])
+    if not per_stream:
+        return []
+    compute = max(per_stream, key=per_stream.__getitem__)
+    time_us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for ev, stream in events:
+        if stream != compute:
+            continue
+        for s, e in clip([_interval(ev)], window):
+            time_us[ev["name"]] += e - s
+            count[ev["name"]] += 1
+    ranked = sorted(time_us, key=time_us.__getitem__, reverse=True)[:n]
+    return [(name, time_us[name] * 1e-6 / steps, count[name] / steps) for name in ranked]
+
+
 def format_breakdown(d: dict[str, float]) -> str:
     """One line: step time, then each figure in seconds per step with its share of the step."""
 
@@ -246,11 +273,11 @@ class StepProfiler(Callback):
     megatrain_reads_weights = False
 
     def __init__(self, first_step: int, steps: int, out_dir: str, on_result: Callable[[dict], None] | None = None,
-                 host_busy: Callable[[], float] | None = None) -> None:
+                 host_busy: Callable[[], float] | None = None, top: int = 0) -> None:
         if first_step < 0 or steps <= 0:
             raise ValueError(f"need first_step >= 0 and steps > 0, got {first_step}, {steps}")
         self.first_step, self.steps, self.out_dir = first_step, steps, Path(out_dir)
-        self.on_result, self.host_busy = on_result, host_busy
+        self.on_result, self.host_busy, self.top = on_result, host_busy, top
         self.enabled = torch.cuda.is_available()
         self.result: dict[str, float] | None = None
         self.trace_path: Path | None = None
@@ -312,6 +339,8 @@ class StepProfiler(Callback):
         result["host_wall_s"] = host_wall / done
         self.result = result
         print(f"[profile steps {self._start_step}-{step - 1}] {format_breakdown(result)}", file=sys.stderr)
+        for name, sec, launches in top_kernels(trace, done, self.top) if self.top else ():
+            print(f"  {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {name[:150]}", file=sys.stderr)
         if self.on_result is not None:
             self.on_result(result)
 
@@ -324,10 +353,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--window", type=float, nargs=2, metavar=("T0", "T1"), help="trace microseconds")
     p.add_argument("--all-events", action="store_true", help="window: first to last event of any kind")
     p.add_argument("--host-busy", type=float, help="host optimizer seconds over the window")
+    p.add_argument("--top", type=int, default=0, help="also list the N costliest compute-stream kernels")
     a = p.parse_args(argv)
     window = tuple(a.window) if a.window else (trace_span(a.trace, gpu_only=False) if a.all_events else None)
     result = summarize_trace(a.trace, a.steps, window=window, host_busy_s=a.host_busy)
     print(format_breakdown(result))
+    for name, sec, launches in top_kernels(a.trace, a.steps, a.top, window) if a.top else ():
+        print(f"  {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {name[:150]}")
     return result
 
 

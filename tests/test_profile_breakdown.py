@@ -267,3 +267,14 @@ def test_step_profiler_stopped_before_a_step_writes_nothing(tmp_path: Path, fake
     drive(cb, [1, 2])
     assert fake_cuda == ["sync", "start", "sync", "stop"]
     assert results == [] and not (tmp_path / "p").exists()
+
+
+def test_top_kernels_ranks_the_compute_stream_only() -> None:
+    events = base_events() + [gpu("ampere_gemm", 300, 380, 7), gpu("elementwise_cast_bf16", 380, 390, 7)]
+    got = pb.top_kernels(trace(events), steps=2, n=2)
+    # stream 7: gemm 100 + 80, flash 150, cast 10 (the cast on stream 20 is not the compute stream's)
+    assert [name for name, _, _ in got] == ["ampere_gemm", "flash_fwd"]
+    assert got[0][1] == pytest.approx(180 * US / 2) and got[0][2] == 1.0
+    assert got[1][1] == pytest.approx(150 * US / 2) and got[1][2] == 0.5
+    clipped = pb.top_kernels(trace(events), steps=1, n=5, window=(0, 50))
+    assert clipped == [("ampere_gemm", pytest.approx(50 * US), 1.0)]
