@@ -16,6 +16,12 @@ from .shape import PlanShape
 # DESIGN.md §2: one Llama-7B-shaped layer, bf16 fwd+bwd, ran at ~460 / ~510 / ~505 TFLOPS of real work at
 # 2 K / 8 K / 16 K tokens against the 803 TFLOPS matmul ceiling: 0.57-0.64.
 MATMUL_EFFICIENCY = 0.6
+# Causal attention (the scores under the diagonal) against the same bf16 peak, in the FLOPs counted here
+# (forward 2·H·Q·T per token and layer, its recompute, twice that in the backward). One Qwen2.5-7B layer on
+# the H200 (recipes/results/2026-12-02-h200-session5.md, SDPA's cuDNN kernel, the matmuls taken out at
+# MATMUL_EFFICIENCY): 0.54 at 128 K tokens, 0.56 at 256 K. The FlashAttention-2 kernel that SDPA takes at
+# short sequences runs slower (0.34 at 256 K), but there attention is a few percent of the step.
+ATTENTION_EFFICIENCY = 0.55
 # DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
 BIDIRECTIONAL_FACTOR = 49.5 / 55
 # DESIGN.md §2: pageable copies 6.7 GB/s against 55 pinned (used when the pinned buffers exceed the budget).
@@ -43,9 +49,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     kept, N the block parameters a token passes through (a mixture of experts: its active experts only,
     while the copies and the host AdamW below are on every parameter), plus 2 x the MLP's parameters when
     it runs in chunks (each chunk's forward again in the backward); the head 2 forward + 4 backward (+2 when
-    the chunked loss recomputes it); attention 16·L·H·Q·T with recompute (DESIGN.md §6, hardware FLOPs; a
-    causal flash kernel runs about 9·L·H·Q·T, so the rate charged to attention is in effect 9/16 of the
-    matmuls': ~0.34 of the bf16 peak, about where FlashAttention-2 runs). Copies: a cached block's weights
+    the chunked loss recomputes it); causal attention 2·L·H·Q·T per pass (forward, recompute, twice in
+    the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it was charged
+    whole at the matmuls' rate, 0.3 of the peak in effect: 64% too slow at 128 K tokens). Copies: a cached block's weights
     once per step, every other block's twice per micro-batch (forward and recompute), the resident fp32
     masters once per step; every gradient once per micro-batch back; each offloaded saved input to the host
     in the forward and back in the backward. Host work beside the backward: from the second micro-batch
@@ -60,6 +66,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     w, e = run.work, run.engine
     tokens = w.tokens
     rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
+    attn_rate = ATTENTION_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
     chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
     layers = max(shape.layers, 1)
@@ -67,12 +74,13 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     cached = max(keep, min(e.cache_weights, layers))
     recompute = (layers - keep) / layers  # fraction of the blocks recomputed in the backward
     streamed = (layers - cached) / layers  # fraction of the block weights copied per micro-batch
-    attn = 4 * shape.layers * shape.heads * shape.head_dim * w.seq_len  # per token, one pass
+    attn = 2 * shape.layers * shape.heads * shape.head_dim * w.seq_len  # per token, one causal pass
     active = shape.active_blocks  # a mixture of experts computes on its active experts only
-    fwd_flops = tokens * (2 * active + 2 * shape.head_params + attn)
+    fwd_flops = tokens * (2 * active + 2 * shape.head_params)
     bwd_flops = tokens * ((4 + 2 * recompute) * active + (6 if chunked else 4) * shape.head_params
-                          + (2 + recompute) * attn + (2 * shape.mlp if w.mlp_chunked else 0))
-    dev_fwd, dev_bwd = fwd_flops / rate, bwd_flops / rate
+                          + (2 * shape.mlp if w.mlp_chunked else 0))
+    dev_fwd = fwd_flops / rate + tokens * attn / attn_rate
+    dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
     inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
     h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
