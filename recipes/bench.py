@@ -31,6 +31,8 @@ def run(overrides: list[str], out_dir: Path, timeout: int) -> dict:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        out_dir.mkdir(parents=True, exist_ok=True)  # what the run printed (callbacks' reports included)
+        (out_dir / "output.log").write_text(proc.stdout + proc.stderr)
     except subprocess.TimeoutExpired:
         rc, tail = -1, [f"timed out after {timeout} s"]
     row: dict = {"date": str(datetime.date.today()), "command": "python train.py " + shlex.join(overrides)}

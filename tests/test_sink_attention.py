@@ -126,3 +126,25 @@ def test_gpt_oss_with_fused_sinks_under_megatrain_matches_eager_under_the_defaul
     got = fit(partial(SinkGptOss, **kwargs), "megatrain")
     assert_is_megatrain(got)
     assert_parity(ref, got)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim,kv_heads,window,seq", [(8, 2, 8, 24), (64, 2, 128, 1024), (64, 2, 4096, 1024)])
+def test_fused_sinks_equals_eager_on_the_gpu(head_dim: int, kv_heads: int, window: int, seq: int) -> None:
+    """The same comparison through CUDA's SDPA kernels (TF32 off, fp32): GPT-OSS's head dim 64 and 128-token
+    window at 1024 tokens (sliding layers in chunks), and a window past the sequence (the causal fast path)."""
+    model = _model(head_dim, kv_heads, window).cuda()
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1)).cuda()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref_logits, ref_grads = _run(model, "eager", ids)
+        logits, grads = _run(model, sink_attention.NAME, ids)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert _rel(logits, ref_logits) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    worst = max(_rel(grads[n], ref_grads[n]) for n in grads)
+    print(f"fused_sinks on the GPU, head dim {head_dim}, window {window}, {seq} tokens: logits "
+          f"{_rel(logits, ref_logits):.2e}, worst gradient {worst:.2e}")
+    assert worst < 1e-4, worst
