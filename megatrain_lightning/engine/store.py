@@ -282,10 +282,8 @@ class FlatStore:
         if lent is not None:
             buf = lent[: h + w]
         else:
-            # An fp32 accumulator idle since a step without overlap (the one that tried a placement) becomes
-            # this buffer: one buffer, not both, and none to allocate and pin (at 7B, freeing 30 GB of pinned
-            # accumulators and pinning 15 GB of new buffers made the first overlapped step 4.5 s slower on the
-            # H200). It keeps the accumulator's 4 B/param, the peak the tried step had reached anyway.
+            # An fp32 accumulator idle since a step without overlap becomes this buffer: none to free, allocate
+            # and pin (4.5 s at 7B on the H200); it keeps 4 B/param, the peak the tried step reached anyway.
             if self._own_half_grad is None and self._grad_idle():
                 self._own_half_grad, self.grad, self.grad_views = self.grad, None, []
             self.free_own_grad()
