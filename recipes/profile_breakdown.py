@@ -216,12 +216,7 @@ def top_kernels(trace: dict | str | Path, steps: int, n: int = 12, window: Inter
     if window is None:
         window = trace_span(trace, gpu_only=True)
     events = [(ev, _stream(ev)) for ev in _complete_events(trace) if _gpu_kind(ev) == "kernel"]
-    per_stream: dict[StreamKey, float] = defaultdict(float)
-    for ev, stream in events:
-        per_stream[stream] += float(ev["dur"])
-    if not per_stream:
-        return []
-    compute = max(per_stream, key=per_stream.__getitem__)
+    compute = _compute_stream(events)
     time_us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for ev, stream in events:
@@ -232,6 +227,73 @@ def top_kernels(trace: dict | str | Path, steps: int, n: int = 12, window: Inter
             count[ev["name"]] += 1
     ranked = sorted(time_us, key=time_us.__getitem__, reverse=True)[:n]
     return [(name, time_us[name] * 1e-6 / steps, count[name] / steps) for name in ranked]
+
+
+def _compute_stream(events: list[tuple[dict, StreamKey]]) -> StreamKey | None:
+    per_stream: dict[StreamKey, float] = defaultdict(float)
+    for ev, stream in events:
+        per_stream[stream] += float(ev["dur"])
+    return max(per_stream, key=per_stream.__getitem__) if per_stream else None
+
+
+def top_ops(trace: dict | str | Path, steps: int, n: int = 12, window: Interval | None = None
+            ) -> list[tuple[str, float, float]]:
+    """Compute-stream kernel time by the operator that launched it: ``(op, seconds per step, kernels per
+    step)``, costliest first. ``op`` is the launching ``cpu_op``'s name with its input dims and types when
+    the trace was recorded with ``record_shapes=True`` (``aten::mul [[16, 2048, 3584], [3584]] float,float``);
+    kernels are matched to it by their ``External id``. Names the tensors behind an elementwise kernel."""
+    trace = load_trace(trace)
+    if window is None:
+        window = trace_span(trace, gpu_only=True)
+    launcher: dict[Any, str] = {}
+    for ev in _complete_events(trace):
+        args = ev.get("args") or {}
+        if str(ev.get("cat", "")).lower() == "cpu_op" and "External id" in args:
+            dims, types = args.get("Input Dims"), args.get("Input type")
+            label = ev["name"]
+            if dims:
+                label += f" {json.dumps([d for d in dims if d], separators=(',', ':'))}"
+            if types:
+                label += " " + ",".join(t for t in types if t)
+            launcher[args["External id"]] = label
+    events = [(ev, _stream(ev)) for ev in _complete_events(trace) if _gpu_kind(ev) == "kernel"]
+    compute = _compute_stream(events)
+    time_us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for ev, stream in events:
+        if stream != compute:
+            continue
+        op = launcher.get((ev.get("args") or {}).get("External id"), "(no launching op)")
+        for s, e in clip([_interval(ev)], window):
+            time_us[op] += e - s
+            count[op] += 1
+    ranked = sorted(time_us, key=time_us.__getitem__, reverse=True)[:n]
+    return [(op, time_us[op] * 1e-6 / steps, count[op] / steps) for op in ranked]
+
+
+def compute_gaps(trace: dict | str | Path, n: int = 10, window: Interval | None = None
+                 ) -> list[tuple[float, float, str, str]]:
+    """The ``n`` longest stretches with no kernel on the compute stream: ``(start, length, kernel before,
+    kernel after)``, start in seconds from the window's start, longest first. Where in the step the GPU
+    waits (on a weight copy, an update, the host) and between which kernels."""
+    trace = load_trace(trace)
+    if window is None:
+        window = trace_span(trace, gpu_only=True)
+    events = [(ev, _stream(ev)) for ev in _complete_events(trace) if _gpu_kind(ev) == "kernel"]
+    compute = _compute_stream(events)
+    busy = sorted((s, e, ev["name"]) for ev, st in events if st == compute
+                  for s, e in clip([_interval(ev)], window))
+    t0, t1 = float(window[0]), float(window[1])
+    gaps: list[tuple[float, float, str, str]] = []
+    edge, before = t0, "(window start)"
+    for s, e, name in busy:
+        if s > edge:
+            gaps.append(((edge - t0) * 1e-6, (s - edge) * 1e-6, before, name))
+        if e >= edge:
+            edge, before = e, name
+    if t1 > edge:
+        gaps.append(((edge - t0) * 1e-6, (t1 - edge) * 1e-6, before, "(window end)"))
+    return sorted(gaps, key=lambda g: g[1], reverse=True)[:n]
 
 
 def format_breakdown(d: dict[str, float]) -> str:
@@ -248,6 +310,19 @@ def format_breakdown(d: dict[str, float]) -> str:
     if "host_wall_s" in d:
         line += f" [host clock {d['host_wall_s']:.3f} s/step]"
     return line
+
+
+def print_details(trace: dict | str | Path, steps: int, top: int, ops: int, gaps: int,
+                  window: Interval | None, out: Any) -> None:
+    """The kernel, operator and gap lists below the breakdown line (each only when its count > 0)."""
+    trace = load_trace(trace)
+    for name, sec, launches in top_kernels(trace, steps, top, window) if top else ():
+        print(f"  {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {name[:150]}", file=out)
+    for op, sec, launches in top_ops(trace, steps, ops, window) if ops else ():
+        print(f"  op {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {op[:200]}", file=out)
+    for start, length, before, after in compute_gaps(trace, gaps, window) if gaps else ():
+        print(f"  gap {1e3 * length:8.2f} ms at +{1e3 * start:9.2f} ms  after {before[:70]}  before {after[:70]}",
+              file=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,11 +348,11 @@ class StepProfiler(Callback):
     megatrain_reads_weights = False
 
     def __init__(self, first_step: int, steps: int, out_dir: str, on_result: Callable[[dict], None] | None = None,
-                 host_busy: Callable[[], float] | None = None, top: int = 0) -> None:
+                 host_busy: Callable[[], float] | None = None, top: int = 0, ops: int = 0, gaps: int = 0) -> None:
         if first_step < 0 or steps <= 0:
             raise ValueError(f"need first_step >= 0 and steps > 0, got {first_step}, {steps}")
         self.first_step, self.steps, self.out_dir = first_step, steps, Path(out_dir)
-        self.on_result, self.host_busy, self.top = on_result, host_busy, top
+        self.on_result, self.host_busy, self.top, self.ops, self.gaps = on_result, host_busy, top, ops, gaps
         self.enabled = torch.cuda.is_available()
         self.result: dict[str, float] | None = None
         self.trace_path: Path | None = None
@@ -316,7 +391,7 @@ class StepProfiler(Callback):
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=self.ops > 0)
         self._profiler.start()
         self._start_step, self._state = step, "running"
         self._host_start = self.host_busy() if self.host_busy else 0.0
@@ -339,8 +414,7 @@ class StepProfiler(Callback):
         result["host_wall_s"] = host_wall / done
         self.result = result
         print(f"[profile steps {self._start_step}-{step - 1}] {format_breakdown(result)}", file=sys.stderr)
-        for name, sec, launches in top_kernels(trace, done, self.top) if self.top else ():
-            print(f"  {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {name[:150]}", file=sys.stderr)
+        print_details(trace, done, self.top, self.ops, self.gaps, trace_span(trace, gpu_only=False), sys.stderr)
         if self.on_result is not None:
             self.on_result(result)
 
@@ -354,12 +428,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--all-events", action="store_true", help="window: first to last event of any kind")
     p.add_argument("--host-busy", type=float, help="host optimizer seconds over the window")
     p.add_argument("--top", type=int, default=0, help="also list the N costliest compute-stream kernels")
+    p.add_argument("--ops", type=int, default=0, help="... the N operators whose kernels cost the most")
+    p.add_argument("--gaps", type=int, default=0, help="... the N longest compute-stream gaps")
     a = p.parse_args(argv)
     window = tuple(a.window) if a.window else (trace_span(a.trace, gpu_only=False) if a.all_events else None)
     result = summarize_trace(a.trace, a.steps, window=window, host_busy_s=a.host_busy)
     print(format_breakdown(result))
-    for name, sec, launches in top_kernels(a.trace, a.steps, a.top, window) if a.top else ():
-        print(f"  {1e3 * sec:9.1f} ms/step {launches:6.0f}x  {name[:150]}")
+    print_details(a.trace, a.steps, a.top, a.ops, a.gaps, window, sys.stdout)
     return result
 
 

@@ -205,8 +205,8 @@ class FakeProfile:
 
     log: list[str] = []
 
-    def __init__(self, activities) -> None:
-        assert len(activities) == 2
+    def __init__(self, activities, record_shapes: bool) -> None:
+        assert len(activities) == 2 and record_shapes is False  # shapes only when ops are listed
 
     def start(self) -> None:
         FakeProfile.log.append("start")
@@ -278,3 +278,60 @@ def test_top_kernels_ranks_the_compute_stream_only() -> None:
     assert got[1][1] == pytest.approx(150 * US / 2) and got[1][2] == 0.5
     clipped = pb.top_kernels(trace(events), steps=1, n=5, window=(0, 50))
     assert clipped == [("ampere_gemm", pytest.approx(50 * US), 1.0)]
+
+
+def op(name: str, ts: float, end: float, ext: int, dims: list | None = None, types: list | None = None) -> dict:
+    ev = host(name, ts, end)
+    ev["args"] = {"External id": ext, **({"Input Dims": dims} if dims else {}), **({"Input type": types} if types else {})}
+    return ev
+
+
+def launched(ev: dict, ext: int) -> dict:
+    ev["args"]["External id"] = ext
+    return ev
+
+
+def test_top_ops_names_the_launching_operator_with_its_shapes() -> None:
+    events = [
+        op("aten::mm", 0, 10, 1, [[8, 4], [4, 2]], ["c10::BFloat16", "c10::BFloat16"]),
+        op("aten::mul", 10, 20, 2, [[8, 4], [4], []], ["float", "float", ""]),
+        op("aten::mul", 20, 30, 3, [[8, 4], [4], []], ["float", "float", ""]),
+        launched(gpu("nvjet_gemm", 0, 100, 7), 1),
+        launched(gpu("elementwise_mul", 150, 200, 7), 2),
+        launched(gpu("elementwise_mul", 200, 230, 7), 3),
+        launched(gpu("elementwise_mul", 0, 50, 9), 3),  # another stream's kernel: not counted
+        gpu("orphan_kernel", 240, 250, 7),
+        gpu("nvjet_gemm", 260, 900, 11),  # stream 11 runs the most kernel time: it is the compute stream
+    ]
+    got = pb.top_ops(trace(events), steps=1, n=5)
+    assert got == [("(no launching op)", pytest.approx(640 * US), 1.0)]
+    events[-1] = gpu("small", 260, 270, 11)
+    got = pb.top_ops(trace(events), steps=2, n=5)
+    assert got[0] == ("aten::mm [[8,4],[4,2]] c10::BFloat16,c10::BFloat16", pytest.approx(50 * US), 0.5)
+    # both muls have the same shapes and types: one row, two kernels; the empty dims and type are dropped
+    assert got[1] == ("aten::mul [[8,4],[4]] float,float", pytest.approx(40 * US), 1.0)
+    assert got[2] == ("(no launching op)", pytest.approx(5 * US), 0.5)
+    assert len(got) == 3
+
+
+def test_compute_gaps_longest_first_with_their_neighbours() -> None:
+    events = [gpu("a", 10, 100, 7), gpu("b", 50, 120, 7), gpu("c", 300, 310, 7), gpu("d", 340, 400, 7),
+              gpu("copy_cast", 150, 290, 8)]  # another stream's kernel does not fill the compute stream's gap
+    got = pb.compute_gaps(trace(events), n=3, window=(0, 450))
+    assert got == [(pytest.approx(120 * US), pytest.approx(180 * US), "b", "c"),
+                   (pytest.approx(400 * US), pytest.approx(50 * US), "d", "(window end)"),
+                   (pytest.approx(310 * US), pytest.approx(30 * US), "c", "d")]
+    assert pb.compute_gaps(trace(events), n=10, window=(0, 450))[-1] == (0.0, pytest.approx(10 * US),
+                                                                          "(window start)", "a")
+
+
+def test_command_line_lists_ops_and_gaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = [op("aten::add_", 0, 5, 4, [[3]], ["float"]), launched(gpu("add_kernel", 0, 100, 7), 4),
+              gpu("gemm", 160, 300, 7)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace(events)))
+    pb.main([str(path), "--steps", "1", "--ops", "2", "--gaps", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert "op" in out[1] and "(no launching op)" in out[1] and "0.1 ms/step" in out[1]
+    assert "aten::add_ [[3]] float" in out[2] and "0.1 ms/step" in out[2]
+    assert out[3].startswith("  gap     0.06 ms at +     0.10 ms  after add_kernel  before gemm")
