@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .config import PLACEMENT_FIELDS, EngineConfig
+from .engine.resident_update import device_moment_bytes
 from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio
 from .plan.memory import GB
 from .plan.placement import HEADROOM
@@ -74,7 +75,7 @@ class AutoPlacement:
         self.say = say
         self.lines: list[str] = []  # every line said, in order (also in summary())
         self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
-        self.unset = requested.unset
+        self.unset = requested.chosen_with_placement  # the placement fields left open, and resident_on_device
         self.requested = requested
         self.shape = shape
         self.accumulate, self.clip = accumulate, clip
@@ -138,7 +139,7 @@ class AutoPlacement:
         engine = self.engine
         weights = max(s.numel for s in engine.stores) * engine.compute_dtype.itemsize
         m = Measured(peak=float(step.peak), kept_graph=float(step.kept_graph), block_weights=float(weights),
-                     budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks),
+                     budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks), device_moments=self._moments(),
                      matmuls_ratio=matmuls_ratio(self.shape) if self.shape is not None else None)
         self.measured = m
         predicted = None
@@ -152,6 +153,11 @@ class AutoPlacement:
                f"{step.kept_graph / GB:.2f} GB at {step.tokens} tokens; budget {m.budget / GB:.1f} GB)")
         self.predicted = predicted
         self._take(chosen, why, predicted)
+
+    def _moments(self) -> float:
+        """The device bytes the embedding's update will take from the first overlapped step on (the
+        measured and tried steps do not overlap theirs): counted in a placement that turns it on."""
+        return 0.0 if self.accumulate > 1 or self.clip else float(device_moment_bytes(self.engine))
 
     def _check(self, step: Any) -> None:
         assert self.measured is not None
@@ -172,11 +178,12 @@ class AutoPlacement:
 
     def _take(self, chosen: EngineConfig, why: str, predicted: float | None = None) -> None:
         engine = self.engine
-        current = {f: getattr(engine.config, f) for f in PLACEMENT_FIELDS}
+        fields = (*PLACEMENT_FIELDS, "resident_on_device")
+        current = {f: getattr(engine.config, f) for f in fields}
         values = ", ".join(f"{f}={getattr(chosen, f)}" for f in self.unset)
         timing = f"; predicted step {predicted:.3f} s" if predicted is not None else ""
         self._say(f"placement {why}: {values}{timing} (set any of them in EngineConfig to choose it yourself)")
-        if {f: getattr(chosen, f) for f in PLACEMENT_FIELDS} == current:
+        if {f: getattr(chosen, f) for f in fields} == current:
             self.phase = "done"  # the streaming placement again: the measured step ran on it
             return
         engine.place(chosen)

@@ -50,6 +50,7 @@ def test_gpu_bytes_by_hand() -> None:
         3 * 300 * 2 + 300 * 4,  # slots: bf16 weights + one fp32 staging buffer
         2 * 300 * 4,  # slabs sized to a block, larger than either resident part (200 each)
         4 * 400 + 4 * 200,  # resident fp32 copies + the embedding's fp32 grads (the head's went home early)
+        0,  # the embedding's moments: with accumulation its update runs on the host
         2 * 200,  # bf16 autocast copy of the head
         2 * tokens * 8 * 4,  # saved fp32 block inputs
         0,  # no kept activations
@@ -60,6 +61,10 @@ def test_gpu_bytes_by_hand() -> None:
     # engines before the resident split (one part, all gradients until the end of the backward)
     old = gpu_bytes(SHAPE, RUN.replace(head_in_backward=False))
     assert list(old.values())[1:3] == [2 * 400 * 4, 8 * 400]
+    # one micro-batch per step: the embedding (200) is updated on the device, its fp32 Adam moments there
+    single = gpu_bytes(SHAPE, RUN.replace(accumulate=1, resident_on_device=True))
+    assert single["embedding Adam moments (updated on device)"] == 8 * 200
+    assert gpu_bytes(SHAPE, RUN.replace(accumulate=1))["embedding Adam moments (updated on device)"] == 0
     # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
     kept = gpu_bytes(SHAPE, RUN.replace(keep_activations=1, cache_weights=2, offload_inputs=True))
     assert list(kept.values())[0] == (3 + 2) * 300 * 2 + 300 * 4
@@ -90,6 +95,23 @@ def test_step_time_by_hand_names_the_link() -> None:
     cached = make_plan(SHAPE, RUN.replace(cache_weights=2, keep_activations=2), HW)
     assert cached.times["host->device copies"] == pytest.approx(h2d_first)
     assert cached.times["device compute"] < plan.times["device compute"]
+
+
+def test_step_time_with_the_embedding_updated_on_the_device() -> None:
+    """One micro-batch per step: the embedding's weights stay on the device, its gradients never leave, its
+    AdamW is not between the backward and the next forward; its masters and moments (12 B/param) go home
+    during the next forward."""
+    single = RUN.replace(accumulate=1)
+    on, off = make_plan(SHAPE, single.replace(resident_on_device=True), HW), make_plan(SHAPE, single, HW)
+    h2d_first, h2d_fwd, d2h = 4000 / 1e9, 2400 / 1e9, 4000 / 0.9e9
+    adam_blocks, adam_head, adam_embed = 600 / 1e9 * (28 + 4 + 4) / 28, 200 / 1e9, 200 / 1e9
+    assert off.step_s == pytest.approx(h2d_first + max(d2h, adam_blocks + adam_head) + adam_embed)
+    assert on.times["host->device copies"] == pytest.approx(off.times["host->device copies"] - 4 * 200 / 1e9)
+    assert on.times["host optimizer"] == pytest.approx(off.times["host optimizer"] - adam_embed)
+    d2h_on = (2400 + 4 * 200) / 0.9e9  # the blocks' and the head's gradients
+    assert on.times["backward (one micro-batch)"] == pytest.approx(d2h_on)
+    assert on.times["forward (one micro-batch)"] == pytest.approx(max(h2d_fwd, 12 * 200 / 0.9e9))
+    assert on.step_s == pytest.approx((h2d_first - 4 * 200 / 1e9) + max(d2h_on, adam_blocks + adam_head))
 
 
 def test_largest_micro_batch_is_the_boundary() -> None:
@@ -134,7 +156,7 @@ def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     is the host's work alone; pooled buffers leave at most `grad_buffers` blocks' updates to the forward."""
     slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4)
     run = RUN.replace(accumulate=1, grad_buffers=0)
-    # the untied head (200) is updated during the backward, the embedding (200) between steps
+    # the untied head (200) is updated during the backward, the embedding (200) between steps (on the host)
     adam_blocks, adam_resident = 600 / 1e5 * (28 + 4 + 4) / 28 + 200 / 1e5, 200 / 1e5
     off = make_plan(SHAPE, run.replace(overlap_next_forward=False), slow, refuse_host=False, refuse_device=False)
     on = make_plan(SHAPE, run, slow, refuse_host=False, refuse_device=False)

@@ -51,16 +51,19 @@ def test_split_follows_registration_order_and_ties() -> None:
     assert before == ["model.embed_tokens.weight"] and after == ["model.norm.weight"]  # the tied head is "before"
 
 
-def test_after_part_goes_home_at_the_first_block_backward_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("on_device", [False, True])
+def test_after_part_goes_home_at_the_first_block_backward_exactly(monkeypatch: pytest.MonkeyPatch, on_device: bool
+                                                                  ) -> None:
+    """...and the part before the blocks at the end, unless it is updated on the device, where its gradients
+    stay (tests/test_resident_update.py)."""
     factory = partial(ZOO["llama"], optimizer="adamw", lr=3e-3, scheduler=True)
     ref = fit(factory, None, max_steps=3)
     log = SendLog(monkeypatch)
-    got = fit(factory, megatrain(), max_steps=3)
+    got = fit(factory, megatrain(resident_on_device=on_device), max_steps=3)
     assert_parity(ref, got)
-    n = len(log.keys) // 3
-    for step in range(3):
-        keys = log.keys[step * n:(step + 1) * n]
-        assert keys == [RESIDENT_AFTER, *reversed(range(n - 2)), RESIDENT], keys
+    blocks = len(ref.module.model.model.layers)
+    want = [RESIDENT_AFTER, *reversed(range(blocks)), *([] if on_device else [RESIDENT])]
+    assert log.keys == want * 3, log.keys
 
 
 def test_without_the_overlap_both_parts_go_home_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ Data flow of one micro-batch (DESIGN.md section 4):
 * backward: blocks in reverse; each is recomputed from its saved input (``offload.py`` when parked on the
   host) with re-streamed weights, and its gradients go home through ``grads.py``, where the host worker
   (``host_worker.py``) accumulates them or runs the block's optimizer update as soon as they land
-  (``updates.py`` tracks those).
+  (``updates.py`` tracks those); the part before the blocks is updated on the device (``resident_update.py``).
 * options that spend device memory for speed (``EngineConfig``): kept blocks build their graph in the
   forward and skip the recompute; cached blocks own a fixed slot filled once per optimizer step.
 
@@ -37,6 +37,7 @@ from .offload import Stash
 from .phase import Phase, StepState
 from .replicas import Replicas
 from .resident import ResidentParts, resident_names
+from .resident_update import DeviceUpdate
 from .slots import BlockBinding
 from .stats import EngineStats
 from .host_buffers import PinnedRegistry
@@ -70,8 +71,7 @@ class StreamingEngine:
         for name in ("keep_activations", "cache_weights"):
             if getattr(config, name) > n_blocks:
                 raise ValueError(f"{name}={getattr(config, name)}: more than the model's {n_blocks} blocks")
-        self.config = config
-        self.device = torch.device(device)
+        self.config, self.device = config, torch.device(device)
         self.compute_dtype = compute_dtype
         self.streams = Streams(self.device)
         self.meter = StepMeter(self.device)  # made before the engine allocates anything on the device
@@ -132,8 +132,8 @@ class StreamingEngine:
                               self.grad_buffers, max(s.train_numel for s in self.stores),
                               False if dp else config.bf16_grads,  # reduced in fp32
                               replicas=self.replicas)
-        # Set per micro-batch by the caller: run on the host worker when a store's gradients are final.
-        self.on_grads_final: Update | None = None
+        self.resident.device_update = DeviceUpdate(self)  # while config.resident_on_device (a placement field)
+        self.on_grads_final: Update | None = None  # per micro-batch, by the caller: a store's update
 
         self._anchor_t: torch.Tensor | None = None
         self._checked: set[int] = set()  # blocks whose first forward was checked for buffer updates

@@ -32,6 +32,15 @@ class PinnedRegistry:
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._pin(torch.empty(numel, dtype=dtype))
 
+    def register(self, t: torch.Tensor) -> bool:
+        """Pin ``t`` where it is (its contents kept); False where pinning is off or the driver refuses."""
+        if not self.enabled or not t.numel() or any(r.data_ptr() == t.data_ptr() for r in self._registered):
+            return self.enabled and bool(t.numel())
+        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0:
+            return False
+        self._registered.append(t)
+        return True
+
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         numel, dtype = t.numel(), t.dtype
         if self.enabled and numel:

@@ -56,6 +56,12 @@ class ResidentPart:
     stale: bool = True  # the masters changed since the device copy was made
     saved_grads: list[torch.Tensor | None] = field(default_factory=list)  # host ``.grad`` parked during a step
     sent_early: bool = False  # this backward's gradients went home at its first block
+    # Updated on the device (resident_update.py): its Adam moments there, fresh while the host's are the
+    # same; the event of the last copy of masters and moments home; whether this step's update ran there
+    moments: torch.Tensor | None = None
+    moments_fresh: bool = False
+    landed: Any = None
+    updated_on_device: bool = False
 
 
 def resident_names(root: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[str], list[str]]:
@@ -100,6 +106,7 @@ class ResidentParts:
         self.updates = updates
         self.state = state
         self.send = send
+        self.device_update: Any = None  # a DeviceUpdate (resident_update.py) once the engine has a host worker
         self.last_block = len(blocks) - 1
         keys = ((RESIDENT, -1), (RESIDENT_AFTER, len(blocks)))
         self.parts = [ResidentPart(k, prio, s) for (k, prio), s in zip(keys, stores) if s is not None]
@@ -151,6 +158,7 @@ class ResidentParts:
         """A step begins: every part onto the device, the after part only if its update has run (else
         when its owner runs)."""
         for part in self.parts:
+            part.updated_on_device = False  # only the optimizer step right after it may keep the copy
             self.ensure(part, wait=part.key != RESIDENT_AFTER)
 
     def ensure(self, part: ResidentPart, wait: bool = True) -> None:
@@ -169,6 +177,8 @@ class ResidentParts:
             h2d = self.streams.h2d
             with self.streams.on(h2d):
                 self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
+                if part.landed is not None:
+                    self.streams.wait(h2d, part.landed)  # nor the copy home of a device update
                 for src, a, b in store.regions():  # trainable masters, then frozen weights
                     if src.dtype == part.device.dtype:
                         part.device[a:b].copy_(src, non_blocking=True)
@@ -196,12 +206,17 @@ class ResidentParts:
                 part.store = store
                 if part.device is not None:
                     part.views = store.layout.views(part.device)
-                part.stale = True
+                part.stale, part.moments_fresh = True, False
 
     def stale(self) -> None:
-        """The masters changed (an optimizer step, a checkpoint load): the device copies are out of date."""
+        """The masters changed (an optimizer step, a checkpoint load): the device copies are out of date,
+        but for the first such call after a part's update on the device (the optimizer step that ran it:
+        the device copy is what the host receives)."""
         for part in self.parts:
-            part.stale = True
+            if part.updated_on_device:
+                part.updated_on_device = False
+            else:
+                part.stale, part.moments_fresh = True, False
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Clear the host gradients parked mid-step, as the optimizer's ``zero_grad`` would have."""
@@ -232,7 +247,9 @@ class ResidentParts:
             p.data = host_view
             p.grad = saved
         part.on_device = False
-        if any(g is not None for g in grads):
+        if part is self.before and self.device_update is not None and self.device_update.applies(part, grads, then):
+            self.updates.add(part.key, store, self.device_update.run(part, grads, then, part.priority))
+        elif any(g is not None for g in grads):
             self.send(part.key, store, grads, then, part.priority)
             self.stats.bump(self.stats.d2h, part.key)
 

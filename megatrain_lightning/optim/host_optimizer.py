@@ -28,7 +28,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ..engine.store import FlatStore
 from . import kernels
-from .adam import AdamHyper, Piece
+from .adam import AdamHyper, Piece, step_fp32
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -137,6 +137,24 @@ class _Range:
             last = (i, is_own)
         torch._foreach_add_(steps, 1)
         return out
+
+    def device_pieces(self, state: dict[Any, Any], grads: Sequence[torch.Tensor | None], device: torch.device
+                      ) -> list[Piece]:
+        """:meth:`pieces` for an update on the device: ``grads`` are device tensors in layout order; the
+        host step counts are incremented as there, the kernel reads device copies of them."""
+        offsets = self.store.layout.offsets
+        out: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for i, p in zip(self.indices, self.params):
+            g = grads[i]
+            if g is not None:  # as torch: a parameter without a gradient is not updated, not even decayed
+                out.append((offsets[i], offsets[i] + p.numel(), g.reshape(-1), self.ensure_state(state[p], i)["step"]))
+        if out:
+            torch._foreach_add_([step for *_, step in out], 1)
+        if device.type == "cpu":
+            return [Piece(a, b, g, step) for a, b, g, step in out]
+        # the kernel reads its step count on the device: a pinned copy, queued (a pageable one would wait
+        # for the whole backward)
+        return [Piece(a, b, g, step.pin_memory().to(device, non_blocking=True)) for a, b, g, step in out]
 
 
 class HostOptimizer:
@@ -362,6 +380,17 @@ class StoreUpdate:
                     if r.store is store:
                         kernels.update(store, r.pieces(state), hyper)
         self.host.update_seconds += time.perf_counter() - t0
+
+    def on_device(self, store: FlatStore, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  grads: Sequence[torch.Tensor | None]) -> None:
+        """The same update on device copies of ``store``'s trainable region (``engine/resident_update.py``):
+        flat fp32 ``master`` and moments, ``grads`` its parameters' device gradients in layout order."""
+        state = self.host.optimizer.state
+        with torch.no_grad():
+            for hyper, ranges in zip(self.hypers, self.host.ranges):
+                for r in ranges:
+                    if r.store is store:
+                        step_fp32(master, exp_avg, exp_avg_sq, r.device_pieces(state, grads, master.device), hyper)
 
     @staticmethod
     def prefers_half_grads() -> bool:

@@ -76,4 +76,4 @@ def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bo
     tried = bool(requested.unset) and hw.accelerator == "cuda"  # the strategy measures and tries its placement
     run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, tried=tried, **older)
     plan = make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
-    return dataclasses.replace(plan, chosen=requested.unset if hw.accelerator == "cuda" else ())
+    return dataclasses.replace(plan, chosen=requested.chosen_with_placement if hw.accelerator == "cuda" else ())

@@ -51,25 +51,30 @@ class Measured:
     layers: int
     matmuls_ratio: float | None = None  # G under kept_saves="matmuls" over G; None: not offered
     capacity: float = 0.0  # what the allocator held when a step ran out of device memory; 0: none has
+    device_moments: float = 0.0  # what the embedding's moments take once updated on the device (resident_on_device)
 
     def predicted_peak(self, e: EngineConfig) -> float:
         ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
         graph = self.kept_graph * ratio
         extra_slots = max((e.slots or 2) - 2, 0)
-        return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights
+        moments = self.device_moments if e.resident_on_device else 0.0  # not in the measured (host-updated) steps
+        return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights + moments
 
     def fits(self, e: EngineConfig) -> bool:
         return self.predicted_peak(e) <= self.budget
 
 
 def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
-    """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then kept
-    blocks taken away until the measured prediction fits (or nothing chosen is left)."""
+    """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then the
+    embedding's update on the device, then kept blocks taken away until the measured prediction fits (or
+    nothing chosen is left)."""
     while not m.fits(e):
         if "slots" in unset and e.slots > 2:
             e = dataclasses.replace(e, slots=2)
         elif "cache_weights" in unset and e.cache_weights > e.keep_activations:
             e = dataclasses.replace(e, cache_weights=e.cache_weights - 1)
+        elif "resident_on_device" in unset and e.resident_on_device:  # its moments off the device
+            e = dataclasses.replace(e, resident_on_device=False)
         elif "keep_activations" in unset and e.keep_activations > 0:
             k = e.keep_activations - 1
             e = dataclasses.replace(e, keep_activations=k, cache_weights=min(e.cache_weights, k)
@@ -112,7 +117,7 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
     streaming = resolve(shape, work, engine.filled(), hw)
     beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # the user's loss and logits, the planner's error
     chosen = choose_placement(shape, work, engine, hw, budget=m.budget - beyond)
-    chosen = clamp(m, chosen, engine.unset)
+    chosen = clamp(m, chosen, engine.chosen_with_placement)
     return chosen, step_times(shape, resolve(shape, work, chosen, hw), hw)["step"]
 
 

@@ -52,38 +52,42 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
     # depend on (but for offloaded inputs, decided first), and resolving them per candidate is most of the cost
     engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw, tried=True).engine, f)
                                             for f in ("grad_buffers", "bf16_grads")})
-    offload = engine.offload_inputs
-    if "offload_inputs" in unset:  # only where the streaming placement itself does not fit: the fewest that do
-        streaming = dataclasses.replace(engine, keep_activations=0, cache_weights=0, offload_inputs=0).filled()
-        offload = 0 if fits(streaming) else smallest_offload(shape, resolve(shape, work, streaming, hw, tried=True),
-                                                               budget, host)
-        if offload is None:
-            return engine.filled()
-    best: tuple[float, float, EngineConfig] | None = None
-    for saves in (["all", "matmuls"] if "kept_saves" in unset else [engine.kept_saves]):
-        for slots in ([2, 3] if "slots" in unset else [engine.slots]):
-            base = dataclasses.replace(engine, slots=slots, kept_saves=saves)
-            keeps = range(layers, -1, -1) if "keep_activations" in unset else [engine.keep_activations]
-            for keep in keeps:
-                cand = dataclasses.replace(base, keep_activations=keep, offload_inputs=offload)
-                if "cache_weights" in unset:
-                    cand = dataclasses.replace(cand, cache_weights=keep)
-                if not fits(cand):
-                    continue
-                if "cache_weights" in unset:  # the most cached weights that still fit (memory grows with them)
-                    lo, hi = keep, layers
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        lo, hi = (mid, hi) if fits(dataclasses.replace(cand, cache_weights=mid)) else (lo, mid - 1)
-                    cand = dataclasses.replace(cand, cache_weights=lo)
-                cand = cand.filled()
-                run = resolve(shape, work, cand, hw, tried=True)
-                pinned_ok = pinned_bytes(shape, run) <= hw.pinned_budget_gb * GB
-                step = step_times(shape, run, hw, pinned_ok)["step"] * (1 + MATMULS_MARGIN * (saves == "matmuls"))
-                key = (step, gpu_peak(gpu_bytes(shape, run)))
-                if best is None or key < best[:2]:
-                    best = (*key, cand)
-    return best[2] if best is not None else engine.filled()
+    given, best = engine, None
+    # the embedding's update on the device (resident_on_device): both ways where it is open and could apply
+    could = work.accumulate == 1 and not work.clip and engine.host_state != "compact" and engine.overlap_optimizer
+    for on in ([False, True] if could else [False]) if engine.resident_on_device is None else [engine.resident_on_device]:
+        engine = dataclasses.replace(given, resident_on_device=on)
+        offload = engine.offload_inputs
+        if "offload_inputs" in unset:  # only where the streaming placement itself does not fit: the fewest that do
+            streaming = dataclasses.replace(engine, keep_activations=0, cache_weights=0, offload_inputs=0).filled()
+            offload = 0 if fits(streaming) else smallest_offload(shape, resolve(shape, work, streaming, hw, tried=True),
+                                                                   budget, host)
+            if offload is None:
+                continue
+        for saves in (["all", "matmuls"] if "kept_saves" in unset else [engine.kept_saves]):
+            for slots in ([2, 3] if "slots" in unset else [engine.slots]):
+                base = dataclasses.replace(engine, slots=slots, kept_saves=saves)
+                keeps = range(layers, -1, -1) if "keep_activations" in unset else [engine.keep_activations]
+                for keep in keeps:
+                    cand = dataclasses.replace(base, keep_activations=keep, offload_inputs=offload)
+                    if "cache_weights" in unset:
+                        cand = dataclasses.replace(cand, cache_weights=keep)
+                    if not fits(cand):
+                        continue
+                    if "cache_weights" in unset:  # the most cached weights that still fit (memory grows with them)
+                        lo, hi = keep, layers
+                        while lo < hi:
+                            mid = (lo + hi + 1) // 2
+                            lo, hi = (mid, hi) if fits(dataclasses.replace(cand, cache_weights=mid)) else (lo, mid - 1)
+                        cand = dataclasses.replace(cand, cache_weights=lo)
+                    cand = cand.filled()
+                    run = resolve(shape, work, cand, hw, tried=True)
+                    pinned_ok = pinned_bytes(shape, run) <= hw.pinned_budget_gb * GB
+                    step = step_times(shape, run, hw, pinned_ok)["step"] * (1 + MATMULS_MARGIN * (saves == "matmuls"))
+                    key = (step, gpu_peak(gpu_bytes(shape, run)))
+                    if best is None or key < best[:2]:  # a tie: the less memory (the device update off)
+                        best = (*key, cand)
+    return best[2] if best is not None else given.filled()
 
 
 def placement_line(engine: EngineConfig, chosen: tuple[str, ...]) -> str:

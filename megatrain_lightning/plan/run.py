@@ -82,5 +82,11 @@ class Run:
         return bool(self.engine.bf16_grads) and self.work.bf16 and self.work.accumulate == 1 and not self.work.clip
 
     @property
+    def resident_on_device(self) -> bool:
+        """Whether the part before the blocks is updated on the device (``EngineConfig.resident_on_device``)."""
+        return (self.engine.resident_on_device is True and self.engine.overlap_optimizer and not self.compact
+                and self.work.accumulate == 1 and not self.work.clip)
+
+    @property
     def run_on(self) -> bool:
         return self.engine.overlap_optimizer and self.engine.overlap_next_forward and not self.work.clip

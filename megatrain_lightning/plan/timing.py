@@ -83,15 +83,18 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
     inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
-    h2d_fwd_first = (weight_b * shape.block_params + 4 * shape.resident_params) / link
+    # The part before the blocks updated on the device (engine/resident_update.py): its weights stay there,
+    # its gradients never leave; its masters and moments (12 B/param) go home during the next forward.
+    on_device = shape.resident_params - shape.untied_head() if run.resident_on_device else 0
+    h2d_fwd_first = (weight_b * shape.block_params + 4 * (shape.resident_params - on_device)) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
-    d2h_fwd = inputs_b / (link * BIDIRECTIONAL_FACTOR)  # beside the weights coming in
-    d2h_bwd = (grad_b * shape.block_params + 4 * shape.resident_params) / (link * BIDIRECTIONAL_FACTOR)
+    d2h_fwd = (inputs_b + 12 * on_device) / (link * BIDIRECTIONAL_FACTOR)  # beside the weights coming in
+    d2h_bwd = (grad_b * shape.block_params + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
-    adam_blocks, adam_resident = shape.block_params / adam_rate, shape.resident_params / adam_rate
+    adam_blocks, adam_resident = shape.block_params / adam_rate, (shape.resident_params - on_device) / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
     # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.
     adam_after = shape.untied_head() / adam_rate if run.head_in_backward and not w.clip else 0.0
