@@ -114,6 +114,30 @@ def test_with_shapes_the_planners_choice_within_the_measured_budget() -> None:
     assert (fixed.keep_activations, fixed.kept_saves) == (30, "all")
 
 
+def test_the_embeddings_device_update_chosen_where_it_is_the_faster_step() -> None:
+    """7B on the H200 as measured there (2026-12-03, session 9 call 1: streaming peak 35.5 GB, a kept block
+    8.56 GB): with the embedding's moments on the device (4.4 GB) the measured prediction keeps one block fewer,
+    and the planner still times that faster than keeping it with the update on the host (whose AdamW and copies
+    then lie between the backward and the next forward); where its moments do not fit at all, off."""
+    from test_placement import _setting
+
+    shape, work, hw = _setting("experiment=bench_7b", "hardware=h200_126g")
+    moments = 8 * (shape.resident_params - shape.untied_head())
+    m = Measured(peak=35.5 * GB, kept_graph=8.56 * GB, block_weights=2 * shape.largest_block, budget=137.5 * GB,
+                 layers=shape.layers, matmuls_ratio=matmuls_ratio(shape), device_moments=moments)
+    chosen, step = by_planner(m, EngineConfig(), shape, work, hw)
+    assert chosen.resident_on_device is True and m.fits(chosen)
+    off, off_step = by_planner(m, EngineConfig(resident_on_device=False), shape, work, hw)
+    assert off.keep_activations > chosen.keep_activations and off_step > step  # one block more, yet slower
+    assert not m.fits(dataclasses.replace(off, resident_on_device=True))
+    # the streaming peak alone leaves no room for the moments: off (clamp takes them away last)
+    full = dataclasses.replace(m, budget=35.5 * GB + moments / 2)
+    assert by_planner(full, EngineConfig(), shape, work, hw)[0].resident_on_device is False
+    # one micro-batch per step only: with accumulation the host holds the gradients' sum
+    acc, _ = by_planner(m, EngineConfig(), shape, dataclasses.replace(work, accumulate=2), hw)
+    assert not acc.resident_on_device
+
+
 def test_clamp_takes_slots_then_cached_weights_then_kept_blocks() -> None:
     m = Measured(peak=10 * GB, kept_graph=2 * GB, block_weights=1 * GB, budget=30 * GB, layers=36)
     e = EngineConfig(slots=3, keep_activations=5, kept_saves="all", cache_weights=12, offload_inputs=False)

@@ -65,20 +65,20 @@ class Measured:
 
 
 def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
-    """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then the
-    embedding's update on the device, then kept blocks taken away until the measured prediction fits (or
-    nothing chosen is left)."""
+    """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then kept
+    blocks, then the embedding's update on the device taken away until the measured prediction fits (or
+    nothing chosen is left). :func:`by_planner` weighs the last two by the planner's step time."""
     while not m.fits(e):
         if "slots" in unset and e.slots > 2:
             e = dataclasses.replace(e, slots=2)
         elif "cache_weights" in unset and e.cache_weights > e.keep_activations:
             e = dataclasses.replace(e, cache_weights=e.cache_weights - 1)
-        elif "resident_on_device" in unset and e.resident_on_device:  # its moments off the device
-            e = dataclasses.replace(e, resident_on_device=False)
         elif "keep_activations" in unset and e.keep_activations > 0:
             k = e.keep_activations - 1
             e = dataclasses.replace(e, keep_activations=k, cache_weights=min(e.cache_weights, k)
                                     if "cache_weights" in unset else e.cache_weights)
+        elif "resident_on_device" in unset and e.resident_on_device:  # its moments off the device
+            e = dataclasses.replace(e, resident_on_device=False)
         else:
             break
     return e
@@ -116,9 +116,20 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
     beyond the planner's prediction of it, clamped to the measured prediction; and its predicted step time."""
     streaming = resolve(shape, work, engine.filled(), hw)
     beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # the user's loss and logits, the planner's error
-    chosen = choose_placement(shape, work, engine, hw, budget=m.budget - beyond)
-    chosen = clamp(m, chosen, engine.chosen_with_placement)
-    return chosen, step_times(shape, resolve(shape, work, chosen, hw), hw)["step"]
+    planned = choose_placement(shape, work, engine, hw, budget=m.budget - beyond)
+    return fastest_fit(m, planned, engine.chosen_with_placement, shape, work, hw)
+
+
+def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shape: PlanShape, work: Workload,
+                hw: HardwareProfile) -> tuple[EngineConfig, float]:
+    """``planned`` clamped to the measured prediction, and with the embedding's device update turned off first
+    where it is on and open: whichever the planner times faster; and its step time."""
+    options = [clamp(m, planned, unset)]
+    if planned.resident_on_device and "resident_on_device" in unset:
+        options.append(clamp(m, dataclasses.replace(planned, resident_on_device=False), unset))
+    timed = [(step_times(shape, resolve(shape, work, e, hw), hw)["step"], i) for i, e in enumerate(options)]
+    step, best = min(timed)
+    return options[best], step
 
 
 def matmuls_ratio(shape: PlanShape) -> float:
