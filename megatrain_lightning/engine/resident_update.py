@@ -43,7 +43,7 @@ class DeviceUpdate:
         self.worker: HostWorker = engine.worker
         self.active: Callable[[], bool] = lambda: (engine.config.resident_on_device is True
                                                    and not engine.replicas.parallel and not engine.grads.check_finite)
-        self.updates_run = 0  # how many steps took this path (tests, logs)
+        self._pinned_ok: dict[int, bool] = {}  # id(store) -> its masters and moments are pinned (asked once)
 
     def applies(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
         """Whether ``part`` can be updated here: fp32 host state, every gradient dense in the masters' dtype,
@@ -65,11 +65,14 @@ class DeviceUpdate:
         place here, once). A copy into pageable memory would hold the host until the backward is done."""
         if not self.streams.cuda:
             return True
+        if id(store) in self._pinned_ok:
+            return self._pinned_ok[id(store)]
         ea, eas = store.moment_buffers()
         for t in (ea, eas):
             if not t.is_pinned():
                 self.pins.register(t)
-        return all(t.is_pinned() for t in (store.master, ea, eas))
+        ok = self._pinned_ok[id(store)] = all(t.is_pinned() for t in (store.master, ea, eas))
+        return ok
 
     def run(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any, priority: int) -> Future:
         """Update ``part`` from ``grads`` (its device gradients, layout order) on the compute stream and send
@@ -95,7 +98,6 @@ class DeviceUpdate:
             landed.record(d2h)
         part.moments_fresh = True
         part.updated_on_device = True
-        self.updates_run += 1
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # queued on the device: running, whatever an abort cancels
         self.worker.submit(priority, _complete, landed, fut, store, ready=landed.query)
