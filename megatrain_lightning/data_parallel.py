@@ -8,6 +8,7 @@ launcher starts the ranks) or under ``torchrun``. NCCL on GPUs, gloo on the CPU.
 
 from __future__ import annotations
 
+import atexit
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,23 @@ def init_process_group(cluster_environment: Any, device: torch.device, timeout: 
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
     _init_dist_connection(cluster_environment, backend, **kwargs)
+    if created:
+        # a process group left to the interpreter's finalization can abort the exit: gloo's worker threads
+        # still hold work whose tensors then take a GIL that is going away ("terminate called without an
+        # active exception", SIGABRT after a finished fit). Destroyed while Python is still whole instead;
+        # a no-op where the user destroyed it already.
+        atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_replicas(world: int, rank: int, local_size: int, local_rank: int, node: int) -> Replicas:
