@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .config import PLACEMENT_FIELDS, EngineConfig
-from .engine.resident_update import device_moment_bytes
+from .engine.device_update import device_moment_bytes
 from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio
 from .plan.memory import GB
 from .plan.placement import HEADROOM
@@ -75,7 +75,7 @@ class AutoPlacement:
         self.say = say
         self.lines: list[str] = []  # every line said, in order (also in summary())
         self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
-        self.unset = requested.chosen_with_placement  # the placement fields left open, and resident_on_device
+        self.unset = requested.chosen_with_placement  # the placement fields left open, and update_on_device
         self.requested = requested
         self.shape = shape
         self.accumulate, self.clip = accumulate, clip
@@ -155,7 +155,7 @@ class AutoPlacement:
         self._take(chosen, why, predicted)
 
     def _moments(self) -> float:
-        """The device bytes the embedding's update will take from the first overlapped step on (the
+        """The device bytes the updates on the device will take from the first overlapped step on (the
         measured and tried steps do not overlap theirs): counted in a placement that turns it on."""
         return 0.0 if self.accumulate > 1 or self.clip else float(device_moment_bytes(self.engine))
 
@@ -178,7 +178,7 @@ class AutoPlacement:
 
     def _take(self, chosen: EngineConfig, why: str, predicted: float | None = None) -> None:
         engine = self.engine
-        fields = (*PLACEMENT_FIELDS, "resident_on_device")
+        fields = (*PLACEMENT_FIELDS, "update_on_device")
         current = {f: getattr(engine.config, f) for f in fields}
         values = ", ".join(f"{f}={getattr(chosen, f)}" for f in self.unset)
         timing = f"; predicted step {predicted:.3f} s" if predicted is not None else ""

@@ -105,16 +105,18 @@ class EngineConfig:
         overlap_next_forward: let the updates the backward did not finish run on into the next forward,
             each block awaited before its weights go to the device; applies only while nothing but the
             engine can look at the weights between steps (see ``MegaTrainStrategy``).
-        resident_on_device: the resident part the next forward needs first (the input embedding, a tied
-            LM head with it) is updated by the same AdamW on the device, where its gradients and an fp32
-            copy of its masters already are, and its new masters and moments go home during the next
-            forward: the forward no longer waits for that part's gradient copy, host AdamW and weight copy
-            (``engine/resident_update.py``). Costs its Adam moments on the device, 8 B/param (7B: 4.4 GB).
-            Applies with the overlapped update, fp32 host state, one micro-batch per step and one rank;
-            its parameters' ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``:
-            chosen with the placement when the strategy chooses one (on where the planner predicts the
-            faster step with its memory counted; off where the memory is worth more, e.g. at long context),
-            off where the placement is set by hand or nothing chooses it (the CPU).
+        update_on_device: the updates the next forward waits for first run on the device, where their
+            gradients are: the part before the blocks (the input embedding, a tied LM head with it; the
+            device already holds an fp32 copy of its masters) and the first block (its new weights are cast
+            into its slot); the same AdamW, the same step, and their new masters and moments go home during
+            the next forward, which no longer waits for their gradient copies, host AdamW and weight copies
+            (``engine/device_update.py``). Costs the part's Adam moments on the device, 8 B/param, and the
+            block's fp32 masters, moments and gradients, 16 B/param (7B: 4.4 + 3.7 GB). Applies with the
+            overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'
+            ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``: chosen with
+            the placement when the strategy chooses one (on where the planner predicts the faster step
+            with its memory counted; off where the memory is worth more, e.g. at long context), off where
+            the placement is set by hand or nothing chooses it (the CPU).
     """
 
     slots: int | None = None
@@ -130,7 +132,7 @@ class EngineConfig:
     pin_memory: bool | None = None
     overlap_optimizer: bool = True
     overlap_next_forward: bool = True
-    resident_on_device: bool | None = None
+    update_on_device: bool | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -167,8 +169,8 @@ class EngineConfig:
 
     @property
     def chosen_with_placement(self) -> tuple[str, ...]:
-        """What a strategy choosing the placement chooses: the unset fields, and ``resident_on_device`` if None."""
-        return self.unset + (("resident_on_device",) if self.unset and self.resident_on_device is None else ())
+        """What a strategy choosing the placement chooses: the unset fields, and ``update_on_device`` if None."""
+        return self.unset + (("update_on_device",) if self.unset and self.update_on_device is None else ())
 
     def filled(self) -> EngineConfig:
         """This config with every unset placement field at its streaming value (:data:`STREAMING`)."""

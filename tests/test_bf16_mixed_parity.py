@@ -28,8 +28,13 @@ STEPS = 12
         (TinyLlama, dict(bf16_grads=False, overlap_optimizer=False)),  # fp32 gradients, the host step after the backward
         (TinyQwen2, dict(keep_activations=1, cache_weights=2)),  # q/k/v biases; a kept and a cached block
         (TinyQwen2, dict(kept_saves="matmuls", keep_activations=2, grad_buffers=2)),  # selective saves, pooled grads
+        # the embedding and the first block updated where their gradients are (its bf16 ones widened there,
+        # its fp32 norm gains into the slot's fp32 copies): a streamed first block, then a cached one
+        (TinyLlama, dict(update_on_device=True)),
+        (TinyQwen2, dict(update_on_device=True, cache_weights=3)),
     ],
-    ids=["llama-defaults", "llama-fp32-grads", "qwen2-keep-cache", "qwen2-matmuls-pool"],
+    ids=["llama-defaults", "llama-fp32-grads", "qwen2-keep-cache", "qwen2-matmuls-pool", "llama-on-device",
+         "qwen2-on-device-cached"],
 )
 def test_bf16_mixed_matches_lightning_step_for_step(factory: Any, engine: dict, one_intra_op_thread: Any) -> None:
     ref = fit(factory, None, precision="bf16-mixed", max_steps=STEPS)

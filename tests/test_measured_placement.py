@@ -126,16 +126,16 @@ def test_the_embeddings_device_update_chosen_where_it_is_the_faster_step() -> No
     m = Measured(peak=35.5 * GB, kept_graph=8.56 * GB, block_weights=2 * shape.largest_block, budget=137.5 * GB,
                  layers=shape.layers, matmuls_ratio=matmuls_ratio(shape), device_moments=moments)
     chosen, step = by_planner(m, EngineConfig(), shape, work, hw)
-    assert chosen.resident_on_device is True and m.fits(chosen)
-    off, off_step = by_planner(m, EngineConfig(resident_on_device=False), shape, work, hw)
+    assert chosen.update_on_device is True and m.fits(chosen)
+    off, off_step = by_planner(m, EngineConfig(update_on_device=False), shape, work, hw)
     assert off.keep_activations > chosen.keep_activations and off_step > step  # one block more, yet slower
-    assert not m.fits(dataclasses.replace(off, resident_on_device=True))
+    assert not m.fits(dataclasses.replace(off, update_on_device=True))
     # the streaming peak alone leaves no room for the moments: off (clamp takes them away last)
     full = dataclasses.replace(m, budget=35.5 * GB + moments / 2)
-    assert by_planner(full, EngineConfig(), shape, work, hw)[0].resident_on_device is False
+    assert by_planner(full, EngineConfig(), shape, work, hw)[0].update_on_device is False
     # one micro-batch per step only: with accumulation the host holds the gradients' sum
     acc, _ = by_planner(m, EngineConfig(), shape, dataclasses.replace(work, accumulate=2), hw)
-    assert not acc.resident_on_device
+    assert not acc.update_on_device
 
 
 def test_clamp_takes_slots_then_cached_weights_then_kept_blocks() -> None:

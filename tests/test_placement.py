@@ -110,7 +110,7 @@ def test_train_logs_the_plans_choice_and_leaves_the_strategy_to_measure(caplog: 
     assert all(cfg.strategy.engine[k] is None for k in OPEN)  # the packaged default leaves them open
     with caplog.at_level("INFO"):
         plan, _ = check_fits(cfg, resolve_hardware(cfg), "qwen2_5_3b", "megatrain", 0)
-    assert plan is not None and set(plan.chosen) == {*OPEN, "resident_on_device"}  # chosen with the placement
+    assert plan is not None and set(plan.chosen) == {*OPEN, "update_on_device"}  # chosen with the placement
     assert plan.run.engine.keep_activations > 0 and not plan.run.engine.offload_inputs
     # the strategy chooses from its measured first step (auto_placement.py): the fields stay open
     assert all(cfg.strategy.engine[k] is None for k in OPEN)

@@ -50,7 +50,7 @@ def test_gpu_bytes_by_hand() -> None:
         3 * 300 * 2 + 300 * 4,  # slots: bf16 weights + one fp32 staging buffer
         2 * 300 * 4,  # slabs sized to a block, larger than either resident part (200 each)
         4 * 400 + 4 * 200,  # resident fp32 copies + the embedding's fp32 grads (the head's went home early)
-        0,  # the embedding's moments: with accumulation its update runs on the host
+        0,  # the embedding's and first block's device state: with accumulation their updates run on the host
         2 * 200,  # bf16 autocast copy of the head
         2 * tokens * 8 * 4,  # saved fp32 block inputs
         0,  # no kept activations
@@ -61,10 +61,12 @@ def test_gpu_bytes_by_hand() -> None:
     # engines before the resident split (one part, all gradients until the end of the backward)
     old = gpu_bytes(SHAPE, RUN.replace(head_in_backward=False))
     assert list(old.values())[1:3] == [2 * 400 * 4, 8 * 400]
-    # one micro-batch per step: the embedding (200) is updated on the device, its fp32 Adam moments there
-    single = gpu_bytes(SHAPE, RUN.replace(accumulate=1, resident_on_device=True))
-    assert single["embedding Adam moments (updated on device)"] == 8 * 200
-    assert gpu_bytes(SHAPE, RUN.replace(accumulate=1))["embedding Adam moments (updated on device)"] == 0
+    # one micro-batch per step: the embedding (200) and the first block (300) are updated on the device, the
+    # embedding's fp32 Adam moments there, the block's fp32 masters, moments and gradients
+    single = gpu_bytes(SHAPE, RUN.replace(accumulate=1, update_on_device=True))
+    key = "embedding and first block Adam state (updated on device)"
+    assert single[key] == 8 * 200 + 16 * 300
+    assert gpu_bytes(SHAPE, RUN.replace(accumulate=1))[key] == 0
     # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
     kept = gpu_bytes(SHAPE, RUN.replace(keep_activations=1, cache_weights=2, offload_inputs=True))
     assert list(kept.values())[0] == (3 + 2) * 300 * 2 + 300 * 4
@@ -86,7 +88,10 @@ def test_step_time_by_hand_names_the_link() -> None:
     # AdamW (its gradients are final before the blocks' backward), then the embedding's AdamW
     shared_adam = adam_blocks * (28 + 4 + 4) / 28
     adam_head, adam_embed = 200 / 1e9, 200 / 1e9
-    assert plan.step_s == pytest.approx((h2d_first + d2h) + h2d_fwd + max(d2h, add + shared_adam + adam_head) + adam_embed)
+    # ...and the next forward's first block waits for its gradients' copy home, AdamW and weights' copy back
+    boundary = 4 * 300 / 0.9e9 + 300 / 1e9 * (28 + 4 + 4) / 28 + 4 * 300 / 1e9
+    assert plan.step_s == pytest.approx((h2d_first + d2h) + h2d_fwd + max(d2h + boundary, add + shared_adam + adam_head)
+                                        + adam_embed)
     assert plan.bottleneck == "host->device"
     assert plan.times["host->device copies"] == pytest.approx(h2d_first + h2d_fwd + 2 * h2d_bwd)
     # the block AdamW shares host memory bandwidth with the gradient copies (4 B) and re-streamed masters (4 B)
@@ -97,21 +102,30 @@ def test_step_time_by_hand_names_the_link() -> None:
     assert cached.times["device compute"] < plan.times["device compute"]
 
 
-def test_step_time_with_the_embedding_updated_on_the_device() -> None:
-    """One micro-batch per step: the embedding's weights stay on the device, its gradients never leave, its
-    AdamW is not between the backward and the next forward; its masters and moments (12 B/param) go home
-    during the next forward."""
+def test_step_time_with_the_updates_on_the_device() -> None:
+    """One micro-batch per step. On the host, the next forward's first block waits for its own gradients'
+    copy home, its AdamW and its weights' copy back after the backward. On the device (``update_on_device``),
+    the embedding's weights stay there and the first block's land in its slot, neither's gradients leave,
+    neither's AdamW is between the backward and the next forward; their masters and moments (12 B/param) go
+    home during the next forward."""
     single = RUN.replace(accumulate=1)
-    on, off = make_plan(SHAPE, single.replace(resident_on_device=True), HW), make_plan(SHAPE, single, HW)
-    h2d_first, h2d_fwd, d2h = 4000 / 1e9, 2400 / 1e9, 4000 / 0.9e9
-    adam_blocks, adam_head, adam_embed = 600 / 1e9 * (28 + 4 + 4) / 28, 200 / 1e9, 200 / 1e9
-    assert off.step_s == pytest.approx(h2d_first + max(d2h, adam_blocks + adam_head) + adam_embed)
-    assert on.times["host->device copies"] == pytest.approx(off.times["host->device copies"] - 4 * 200 / 1e9)
-    assert on.times["host optimizer"] == pytest.approx(off.times["host optimizer"] - adam_embed)
-    d2h_on = (2400 + 4 * 200) / 0.9e9  # the blocks' and the head's gradients
-    assert on.times["backward (one micro-batch)"] == pytest.approx(d2h_on)
-    assert on.times["forward (one micro-batch)"] == pytest.approx(max(h2d_fwd, 12 * 200 / 0.9e9))
-    assert on.step_s == pytest.approx((h2d_first - 4 * 200 / 1e9) + max(d2h_on, adam_blocks + adam_head))
+    on, off = make_plan(SHAPE, single.replace(update_on_device=True), HW), make_plan(SHAPE, single, HW)
+    h2d_first, d2h = 4000 / 1e9, 4000 / 0.9e9
+    shared = (28 + 4 + 4) / 28  # the block AdamW beside the gradient copies and the re-streamed masters
+    adam_blocks, adam_head, adam_embed = 600 / 1e9 * shared, 200 / 1e9, 200 / 1e9
+    boundary = 4 * 300 / 0.9e9 + 300 / 1e9 * shared + 4 * 300 / 1e9  # the first block (300 params)
+    assert off.step_s == pytest.approx(h2d_first + max(d2h + boundary, adam_blocks + adam_head) + adam_embed)
+    # on the device: the first block's weights (4 x 300) and the embedding's masters (4 x 200) stay
+    assert on.times["host->device copies"] == pytest.approx(off.times["host->device copies"] - (4 * 300 + 4 * 200) / 1e9)
+    assert on.times["host optimizer"] == pytest.approx(off.times["host optimizer"] - adam_embed - 300 / 1e9 * shared)
+    # the second block's and the head's gradients home, below the second block's weights coming back in
+    assert (4 * 300 + 4 * 200) / 0.9e9 < 2400 / 0.9e9
+    bwd_on = 2400 / 0.9e9
+    assert on.times["backward (one micro-batch)"] == pytest.approx(bwd_on)
+    assert on.times["forward (one micro-batch)"] == pytest.approx(max(2400 / 1e9, 12 * (200 + 300) / 0.9e9))
+    h2d_first_on = (4 * 300 + 4 * 200) / 1e9
+    fwd_first_on = max(h2d_first_on, 12 * (200 + 300) / 0.9e9)  # the copies home beside the weights coming in
+    assert on.step_s == pytest.approx(fwd_first_on + max(bwd_on, 300 / 1e9 * shared + adam_head))
 
 
 def test_largest_micro_batch_is_the_boundary() -> None:

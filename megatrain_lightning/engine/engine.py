@@ -9,7 +9,7 @@ Data flow of one micro-batch (DESIGN.md section 4):
 * backward: blocks in reverse; each is recomputed from its saved input (``offload.py`` when parked on the
   host) with re-streamed weights, and its gradients go home through ``grads.py``, where the host worker
   (``host_worker.py``) accumulates them or runs the block's optimizer update as soon as they land
-  (``updates.py`` tracks those); the part before the blocks is updated on the device (``resident_update.py``).
+  (``updates.py`` tracks those); the embedding and the first block may update on the device (``device_update.py``).
 * options that spend device memory for speed (``EngineConfig``): kept blocks build their graph in the
   forward and skip the recompute; cached blocks own a fixed slot filled once per optimizer step.
 
@@ -37,7 +37,7 @@ from .offload import Stash
 from .phase import Phase, StepState
 from .replicas import Replicas
 from .resident import ResidentParts, resident_names
-from .resident_update import DeviceUpdate
+from .device_update import DeviceUpdate
 from .slots import BlockBinding
 from .stats import EngineStats
 from .host_buffers import PinnedRegistry
@@ -67,23 +67,19 @@ class StreamingEngine:
                  compute_dtype: torch.dtype = torch.float32, config: EngineConfig | None = None,
                  init: InitFn | None = None, replicas: Replicas | None = None) -> None:
         config = (config or EngineConfig()).filled()  # a placement nobody chose: streaming (config.STREAMING)
-        n_blocks = len(blocks)
         for name in ("keep_activations", "cache_weights"):
-            if getattr(config, name) > n_blocks:
-                raise ValueError(f"{name}={getattr(config, name)}: more than the model's {n_blocks} blocks")
-        self.config, self.device = config, torch.device(device)
-        self.compute_dtype = compute_dtype
+            if getattr(config, name) > len(blocks):
+                raise ValueError(f"{name}={getattr(config, name)}: more than the model's {len(blocks)} blocks")
+        self.config, self.device, self.compute_dtype = config, torch.device(device), compute_dtype
         self.streams = Streams(self.device)
         self.meter = StepMeter(self.device)  # made before the engine allocates anything on the device
         self.replicas = replicas or Replicas()
         dp = self.replicas.parallel
         self.pins = PinnedRegistry(self.streams.cuda if config.pin_memory is None else config.pin_memory,
                                    self.replicas.arena)
-        self.stats = EngineStats()
-        self.state = StepState()
+        self.stats, self.state = EngineStats(), StepState()
         self.updates = UpdateTracker(self.stats, self.replicas)
-        self.root = root
-        self.blocks = list(blocks)
+        self.root, self.blocks = root, list(blocks)
 
         # The host store: a meta-built model is materialised into it block by block, in the module's own
         # order (what precedes the blocks, an embedding, first: the resident store is laid out first), so
@@ -132,7 +128,7 @@ class StreamingEngine:
                               self.grad_buffers, max(s.train_numel for s in self.stores),
                               False if dp else config.bf16_grads,  # reduced in fp32
                               replicas=self.replicas)
-        self.resident.device_update = DeviceUpdate(self)  # while config.resident_on_device (a placement field)
+        self.device_update = self.resident.device_update = DeviceUpdate(self)  # while config.update_on_device
         self.on_grads_final: Update | None = None  # per micro-batch, by the caller: a store's update
 
         self._anchor_t: torch.Tensor | None = None
@@ -257,6 +253,7 @@ class StreamingEngine:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
         self.weights.invalidate()
         self.resident.stale()
+        self.device_update.stale()
 
     def make_trainable(self, params: Sequence[nn.Parameter] = ()) -> bool:
         """See :func:`~megatrain_lightning.engine.params.make_trainable`."""
@@ -342,8 +339,11 @@ class StreamingEngine:
 
     def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
         final = self.state.backward_call(block)  # a block called twice is final after its second backward
-        early = final and block not in self.outside.blocks  # used outside too: stepped after the backward
-        self._send(block, self.stores[block], grads, self.on_grads_final if early else None, block)
+        then = self.on_grads_final if final and block not in self.outside.blocks else None  # outside: after it
+        if self.device_update.applies_block(block, grads, then):  # the next forward's first block
+            self.updates.add(block, self.stores[block], self.device_update.run_block(block, grads, then))
+        else:
+            self._send(block, self.stores[block], grads, then, block)
         self.outside.sent.add(block)
         self.stats.bump(self.stats.d2h, block)
 

@@ -103,7 +103,7 @@ class GradPath:
         empty = all(p.grad is None for p in trainable)
         wide = set(store.layout.wide)
         half = (
-            then is not None and empty and not self._busy(store) and store.can_hold_half()
+            then is not None and empty and not self.adding(store) and store.can_hold_half()
             and all(g is not None and (g.dtype == torch.bfloat16 or (i in wide and g.dtype == torch.float32))
                     for i, g in enumerate(grads))
             and self._wants_half(then)
@@ -143,7 +143,7 @@ class GradPath:
             self.stats.half_sent += 1
         else:
             host = store.grad_buffer()
-            direct = empty and not self._busy(store)  # straight in only when nothing there must be kept
+            direct = empty and not self.adding(store)  # straight in only when nothing there must be kept
             target = host[:n] if direct else self._take_staging(n)
         fresh = [g is not None and p.grad is None for p, g in zip(trainable, grads)]
         held = [p.grad is not None for p in trainable]
@@ -272,7 +272,8 @@ class GradPath:
         self.stats.grads_lent += 1
         return buf
 
-    def _busy(self, store: FlatStore) -> bool:
+    def adding(self, store: FlatStore) -> bool:
+        """Whether an accumulation job of ``store``'s gradients is still to run on the host worker."""
         fut = self.busy.get(id(store))
         return fut is not None and not fut.done()
 

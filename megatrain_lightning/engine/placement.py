@@ -36,7 +36,7 @@ def replace(engine: Any, config: EngineConfig) -> None:
     Sync point: the engine settles (every update of the last step run) and the device finishes what it has
     queued, so that no kernel or copy still reads the old slots; their memory goes back to the device.
     """
-    config = dataclasses.replace(engine.config, **{f: getattr(config, f) for f in (*PLACEMENT_FIELDS, "resident_on_device")})
+    config = dataclasses.replace(engine.config, **{f: getattr(config, f) for f in (*PLACEMENT_FIELDS, "update_on_device")})
     config = config.for_blocks(len(engine.blocks)).filled()
     engine.settle()
     if engine.streams.cuda:

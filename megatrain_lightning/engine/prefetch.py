@@ -39,6 +39,7 @@ class WeightStream:
         self._free = [streams.event() for _ in range(n_slots)]
         self._used = [False] * n_slots
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._refreshed: dict[int, int] = {}  # block -> the slot its update on the device wrote (refresh)
         self.recorded: list[int] = list(range(len(self.stores)))  # the forward calls of the last micro-batch
         self.order: list[int] = self.call_order(self.recorded)
         self.pos = 0
@@ -141,13 +142,37 @@ class WeightStream:
         self.stats.bump(self.stats.h2d, block)
         return s
 
+    def refresh(self, block: int, master: torch.Tensor) -> None:
+        """Compute stream: ``block``'s trainable weights, updated on the device (``device_update.py``) as
+        fp32 ``master``, into the slot the backward read them from, cast as a copy from the host would be.
+        The slot holds them through the next :meth:`invalidate` (the optimizer step that made them)."""
+        s = self.slots.slot_of(block)
+        assert s is not None
+        store = self.stores[block]
+        slot, wide = self.slots.buffers[s], self.slots.wide[s]
+        slot[: store.train_numel].copy_(master)  # the frozen region is as the backward read it
+        if wide is not None:
+            dst, src = store.layout.wide_pairs(wide, master, 0, store.train_numel)
+            if dst:
+                torch._foreach_copy_(dst, src)
+        compute = self.streams.compute()
+        self._ready[s].record(compute)
+        self._free[s].record(compute)  # slot lifetime: a later copy into it waits for these writes too
+        self._refreshed[block] = s
+
     def invalidate(self) -> None:
-        """The masters changed: no slot holds current weights any more."""
+        """The masters changed: no slot holds current weights any more, but for the slots a block's update
+        on the device wrote since the last call (they hold what the host masters become)."""
+        kept = {s: b for b, s in self._refreshed.items() if self.slots.block_in_slot[s] == b}
+        self._refreshed = {}
         self.slots.invalidate()
+        for s, b in kept.items():
+            self.slots.block_in_slot[s] = b
 
     def relaid(self, block: int) -> None:
         """``block``'s store was laid out again: its views of the slots are rebuilt on next use."""
         self._views = {k: v for k, v in self._views.items() if k[0] != block}
+        self._refreshed = {}
         self.slots.invalidate()
 
     def close(self) -> None:

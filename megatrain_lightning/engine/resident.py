@@ -56,7 +56,7 @@ class ResidentPart:
     stale: bool = True  # the masters changed since the device copy was made
     saved_grads: list[torch.Tensor | None] = field(default_factory=list)  # host ``.grad`` parked during a step
     sent_early: bool = False  # this backward's gradients went home at its first block
-    # Updated on the device (resident_update.py): its Adam moments there, fresh while the host's are the
+    # Updated on the device (device_update.py): its Adam moments there, fresh while the host's are the
     # same; the event of the last copy of masters and moments home; whether this step's update ran there
     moments: torch.Tensor | None = None
     moments_fresh: bool = False
@@ -106,7 +106,7 @@ class ResidentParts:
         self.updates = updates
         self.state = state
         self.send = send
-        self.device_update: Any = None  # a DeviceUpdate (resident_update.py) once the engine has a host worker
+        self.device_update: Any = None  # a DeviceUpdate (device_update.py) once the engine has a host worker
         self.last_block = len(blocks) - 1
         keys = ((RESIDENT, -1), (RESIDENT_AFTER, len(blocks)))
         self.parts = [ResidentPart(k, prio, s) for (k, prio), s in zip(keys, stores) if s is not None]

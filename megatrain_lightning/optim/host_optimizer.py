@@ -383,7 +383,7 @@ class StoreUpdate:
 
     def on_device(self, store: FlatStore, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   grads: Sequence[torch.Tensor | None]) -> None:
-        """The same update on device copies of ``store``'s trainable region (``engine/resident_update.py``):
+        """The same update on device copies of ``store``'s trainable region (``engine/device_update.py``):
         flat fp32 ``master`` and moments, ``grads`` its parameters' device gradients in layout order."""
         state = self.host.optimizer.state
         with torch.no_grad():

@@ -51,13 +51,13 @@ class Measured:
     layers: int
     matmuls_ratio: float | None = None  # G under kept_saves="matmuls" over G; None: not offered
     capacity: float = 0.0  # what the allocator held when a step ran out of device memory; 0: none has
-    device_moments: float = 0.0  # what the embedding's moments take once updated on the device (resident_on_device)
+    device_moments: float = 0.0  # what the updates on the device keep there (update_on_device: moments, first block)
 
     def predicted_peak(self, e: EngineConfig) -> float:
         ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
         graph = self.kept_graph * ratio
         extra_slots = max((e.slots or 2) - 2, 0)
-        moments = self.device_moments if e.resident_on_device else 0.0  # not in the measured (host-updated) steps
+        moments = self.device_moments if e.update_on_device else 0.0  # not in the measured (host-updated) steps
         return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights + moments
 
     def fits(self, e: EngineConfig) -> bool:
@@ -66,7 +66,7 @@ class Measured:
 
 def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
     """``e`` with, among the ``unset`` fields, extra slots, then cached weights beyond the kept blocks, then kept
-    blocks, then the embedding's update on the device taken away until the measured prediction fits (or
+    blocks, then the updates on the device taken away until the measured prediction fits (or
     nothing chosen is left). :func:`by_planner` weighs the last two by the planner's step time."""
     while not m.fits(e):
         if "slots" in unset and e.slots > 2:
@@ -77,8 +77,8 @@ def clamp(m: Measured, e: EngineConfig, unset: tuple[str, ...]) -> EngineConfig:
             k = e.keep_activations - 1
             e = dataclasses.replace(e, keep_activations=k, cache_weights=min(e.cache_weights, k)
                                     if "cache_weights" in unset else e.cache_weights)
-        elif "resident_on_device" in unset and e.resident_on_device:  # its moments off the device
-            e = dataclasses.replace(e, resident_on_device=False)
+        elif "update_on_device" in unset and e.update_on_device:  # their state off the device
+            e = dataclasses.replace(e, update_on_device=False)
         else:
             break
     return e
@@ -122,11 +122,11 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
 
 def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shape: PlanShape, work: Workload,
                 hw: HardwareProfile) -> tuple[EngineConfig, float]:
-    """``planned`` clamped to the measured prediction, and with the embedding's device update turned off first
-    where it is on and open: whichever the planner times faster; and its step time."""
+    """``planned`` clamped to the measured prediction, and with the updates on the device turned off first
+    where they are on and open: whichever the planner times faster; and its step time."""
     options = [clamp(m, planned, unset)]
-    if planned.resident_on_device and "resident_on_device" in unset:
-        options.append(clamp(m, dataclasses.replace(planned, resident_on_device=False), unset))
+    if planned.update_on_device and "update_on_device" in unset:
+        options.append(clamp(m, dataclasses.replace(planned, update_on_device=False), unset))
     timed = [(step_times(shape, resolve(shape, work, e, hw), hw)["step"], i) for i, e in enumerate(options)]
     step, best = min(timed)
     return options[best], step

@@ -53,10 +53,10 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
     engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw, tried=True).engine, f)
                                             for f in ("grad_buffers", "bf16_grads")})
     given, best = engine, None
-    # the embedding's update on the device (resident_on_device): both ways where it is open and could apply
+    # the embedding's update on the device (update_on_device): both ways where it is open and could apply
     could = work.accumulate == 1 and not work.clip and engine.host_state != "compact" and engine.overlap_optimizer
-    for on in ([False, True] if could else [False]) if engine.resident_on_device is None else [engine.resident_on_device]:
-        engine = dataclasses.replace(given, resident_on_device=on)
+    for on in ([False, True] if could else [False]) if engine.update_on_device is None else [engine.update_on_device]:
+        engine = dataclasses.replace(given, update_on_device=on)
         offload = engine.offload_inputs
         if "offload_inputs" in unset:  # only where the streaming placement itself does not fit: the fewest that do
             streaming = dataclasses.replace(engine, keep_activations=0, cache_weights=0, offload_inputs=0).filled()

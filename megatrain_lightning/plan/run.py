@@ -82,9 +82,10 @@ class Run:
         return bool(self.engine.bf16_grads) and self.work.bf16 and self.work.accumulate == 1 and not self.work.clip
 
     @property
-    def resident_on_device(self) -> bool:
-        """Whether the part before the blocks is updated on the device (``EngineConfig.resident_on_device``)."""
-        return (self.engine.resident_on_device is True and self.engine.overlap_optimizer and not self.compact
+    def update_on_device(self) -> bool:
+        """Whether the part before the blocks and the first block are updated on the device
+        (``EngineConfig.update_on_device``)."""
+        return (self.engine.update_on_device is True and self.engine.overlap_optimizer and not self.compact
                 and self.work.accumulate == 1 and not self.work.clip)
 
     @property

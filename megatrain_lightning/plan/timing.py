@@ -61,7 +61,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     part's update follows the backward. Running on (``overlap_next_forward``), the block updates the
     backward leaves undone run during the next forward instead of before it; pooled gradient buffers
     bound how many are left (the backward waits for a free buffer), so the forward can hide at most
-    ``grad_buffers`` blocks' updates.
+    ``grad_buffers`` blocks' updates; but its first block waits for its own update, which starts only when
+    the backward ends (unless it runs on the device, ``update_on_device``).
     """
     w, e = run.work, run.engine
     tokens = w.tokens
@@ -83,18 +84,23 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
     inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
-    # The part before the blocks updated on the device (engine/resident_update.py): its weights stay there,
-    # its gradients never leave; its masters and moments (12 B/param) go home during the next forward.
-    on_device = shape.resident_params - shape.untied_head() if run.resident_on_device else 0
-    h2d_fwd_first = (weight_b * shape.block_params + 4 * (shape.resident_params - on_device)) / link
+    # The part before the blocks and the first block updated on the device (engine/device_update.py): the
+    # former's weights stay there, the latter's new ones are cast into its slot, neither's gradients leave;
+    # their masters and moments (12 B/param) go home during the next forward.
+    on_device = shape.resident_params - shape.untied_head() if run.update_on_device else 0
+    first = shape.block_params / layers  # the next forward's first block
+    first_on_device = first if run.update_on_device else 0
+    h2d_fwd_first = (weight_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
-    d2h_fwd = (inputs_b + 12 * on_device) / (link * BIDIRECTIONAL_FACTOR)  # beside the weights coming in
-    d2h_bwd = (grad_b * shape.block_params + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
+    d2h_fwd = (inputs_b + 12 * (on_device + first_on_device)) / (link * BIDIRECTIONAL_FACTOR)  # beside the weights in
+    d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)
+               ) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
-    adam_blocks, adam_resident = shape.block_params / adam_rate, (shape.resident_params - on_device) / adam_rate
+    adam_blocks = (shape.block_params - first_on_device) / adam_rate
+    adam_resident = (shape.resident_params - on_device) / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
     # the part before the blocks (the embedding, a tied head with it) waits between backward and forward.
     adam_after = shape.untied_head() / adam_rate if run.head_in_backward and not w.clip else 0.0
@@ -107,6 +113,10 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     adam_b = 26 if run.half_grads else 28
     shared = (adam_b + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
+    # Updated on the host, the first block's gradients come home last: the next forward's first block waits
+    # for their copy, its AdamW and its weights' copy back, however far ahead the host otherwise is.
+    boundary = 0.0 if first_on_device else (
+        grad_b * first / (link * BIDIRECTIONAL_FACTOR) + shared * first / adam_rate + weight_b * first / link)
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first, d2h_fwd), max(dev_fwd, h2d_fwd, d2h_fwd)
     if w.accumulate == 1:
@@ -118,7 +128,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     if run.run_on:
         # The next step's first forward (fwd_first, as in the steady state) hides what is left over.
         pool = min(1.0, run.grad_buffers / layers) if run.pooled_grads else 1.0
-        step = adam_before + max(before_last + bwd, before_last + last_host - pool * adam_blocks,
+        step = adam_before + max(before_last + bwd + boundary, before_last + last_host - pool * adam_blocks,
                                  before_last - fwd_first + last_host)
     else:
         step = before_last + max(bwd, last_host) + adam_before

@@ -1,0 +1,194 @@
+"""The updates the next forward waits for first, run on the device where their gradients are.
+
+The next forward needs the resident part before the blocks (the input embedding, a tied LM head with it)
+and then the first block first, and the backward finishes their gradients last. Updated on the host, their
+device->host gradient copy, host AdamW and host->device copy of the new masters all lie between one step's
+backward and the next step's first kernel: at 7B about 0.2 s (the embedding's 0.55 B parameters) and
+0.14 s (the first block's 0.23 B) of an idle GPU per step. Here the same AdamW (torch's fused kernel, the
+step the host would take: same hyperparameters, same step counts) runs on device copies of their masters
+and moments, the new weights are the next forward's (the resident part's fp32 copy; the first block's slot,
+cast as a copy from the host would be), and the new masters and moments go home on the device->host stream
+while that forward runs.
+
+Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for the first
+block, its fp32 masters (4 B/param) last; they hold what the host holds once ``landed`` has fired, and are
+refreshed from the host whenever the masters may have changed behind the engine's back (``stale`` after
+a load, a reclaim, an aborted step). They are rewritten (the next update, a refresh) only after the previous
+copy home has read them (``landed``). The host masters and moments are written by that copy: the update's
+future, which every reader of host state waits for (``UpdateTracker``), completes only once it has landed,
+and it cannot be cancelled (an aborted step counts it as run: the copy is queued). The first block's fp32
+gradients (4 B/param, when it computes in bf16) live from its backward to the update's last kernel.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .host_buffers import PinnedRegistry
+from .host_worker import HostWorker
+from .streams import Streams
+
+
+@dataclass
+class BlockOnDevice:
+    """The first block's lasting device state for its update there (a resident part keeps the same fields)."""
+
+    block: int
+    master: torch.Tensor  # fp32, the trainable region
+    moments: torch.Tensor | None = None
+    moments_fresh: bool = False  # master and moments are the host's
+    landed: Any = None
+    updated_on_device: bool = False
+
+
+class DeviceUpdate:
+    """Runs the updates of the part before the blocks and of the first block on the device, when the host
+    optimizer offers one.
+
+    Only while the engine's placement says so (``EngineConfig.update_on_device``), on one rank (under data
+    parallel each store has an owner of its own) and without the gradient path's finiteness check (its flag
+    travels with the gradients' copy home).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.streams: Streams = engine.streams
+        self.pins: PinnedRegistry = engine.pins
+        self.worker: HostWorker = engine.worker
+        self.engine = engine
+        self.first: BlockOnDevice | None = None
+        self.active: Callable[[], bool] = lambda: (engine.config.update_on_device is True
+                                                   and not engine.replicas.parallel and not engine.grads.check_finite)
+        self._pinned_ok: dict[int, bool] = {}  # id(store) -> its masters and moments are pinned (asked once)
+
+    def applies(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
+        """Whether ``part`` can be updated here: fp32 host state, every gradient dense in the masters' dtype,
+        none held on the host (accumulated micro-batches: the sum is the host's), an update that runs it."""
+        return (part.device is not None and not part.stale and all(g is None for g in part.saved_grads)
+                and all(g is None or (g.dtype == torch.float32 and g.is_contiguous()) for g in grads)
+                and self._can(part.store, grads, then))
+
+    def applies_block(self, block: int, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
+        """Whether ``block``'s final gradients can update it here: it is the next forward's first block,
+        nothing of its gradient is held or being added on the host, and its weights are in a slot."""
+        engine = self.engine
+        store = engine.stores[block]
+        return (block == (engine.weights.recorded or [0])[0] and store.half_grad is None
+                and all(p.grad is None for p in store.trainable) and not engine.grads.adding(store)
+                and engine.weights.slots.slot_of(block) is not None and self._can(store, grads, then))
+
+    def _can(self, store: Any, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
+        """The conditions both share: an update that runs here, fp32 host state, dense device gradients
+        of the trainable parameters only, the host buffers the copies home land in pinned."""
+        device = self.streams.device
+        return (
+            then is not None and hasattr(then, "on_device") and self.active() and not store.compact
+            and all(g is None for g in grads[store.n_trainable :])
+            and any(g is not None for g in grads[: store.n_trainable])
+            and all(g is None or (g.layout == torch.strided and g.device.type == device.type) for g in grads)
+            and self._pinned(store)
+        )
+
+    def _pinned(self, store: Any) -> bool:
+        """Whether the copies home can be queued: masters and moments pinned (the moments are pinned in
+        place here, once). A copy into pageable memory would hold the host until the backward is done."""
+        if not self.streams.cuda:
+            return True
+        if id(store) in self._pinned_ok:
+            return self._pinned_ok[id(store)]
+        ea, eas = store.moment_buffers()
+        for t in (ea, eas):
+            if not t.is_pinned():
+                self.pins.register(t)
+        ok = self._pinned_ok[id(store)] = all(t.is_pinned() for t in (store.master, ea, eas))
+        return ok
+
+    def run(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any, priority: int) -> Future:
+        """Update resident ``part`` from ``grads`` (its device gradients, layout order) on the compute stream
+        and send masters and moments home; returns the future that completes when they have landed."""
+        n = part.store.train_numel
+        return self._update(part.store, part.device[:n], part, list(grads), then, priority)
+
+    def run_block(self, block: int, grads: Sequence[torch.Tensor | None], then: Any) -> Future:
+        """The same for the first block: its fp32 gradients from ``grads``, its new weights into the slot
+        the backward read them from (``WeightStream.refresh``), masters and moments home."""
+        store = self.engine.stores[block]
+        n = store.train_numel
+        first = self.first
+        if first is None or first.block != block or first.master.numel() != n:
+            first = self.first = BlockOnDevice(block, torch.empty(n, device=self.streams.device))
+        compute = self.streams.compute()
+        if first.landed is not None:
+            self.streams.wait(compute, first.landed)  # the previous copy home has read what is rewritten now
+        if not first.moments_fresh:
+            first.master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
+        # buffer lifetime: allocated on the compute stream, freed once the update's kernels are queued
+        wide = [g is None or g.dtype == torch.float32 for g in grads]
+        g32 = [g if w else g.float() for g, w in zip(grads, wide)]
+        fut = self._update(store, first.master, first, g32, then, block)
+        self.engine.weights.refresh(block, first.master)
+        return fut
+
+    def _update(self, store: Any, master: torch.Tensor, holder: Any, grads: list[torch.Tensor | None], then: Any,
+                priority: int) -> Future:
+        """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream), then the copy
+        of both home (device->host stream); the future completes when it has landed."""
+        n = store.train_numel
+        compute, d2h = self.streams.compute(), self.streams.d2h
+        ea, eas = store.moment_buffers()  # pinned (``_can``)
+        if holder.moments is None or holder.moments.shape[1] != n:  # first use, or the store was laid out again
+            holder.moments, holder.moments_fresh = torch.empty(2, n, device=master.device), False
+        if holder.landed is not None:
+            self.streams.wait(compute, holder.landed)  # the previous copy home has read what is rewritten now
+        if not holder.moments_fresh:  # the first update, or the host state changed since the last one
+            holder.moments[0].copy_(ea, non_blocking=True)
+            holder.moments[1].copy_(eas, non_blocking=True)
+        then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
+        landed = holder.landed = self.streams.event()
+        with self.streams.on(d2h):
+            self.streams.after_compute(d2h)  # the update has written masters and moments
+            store.master[:n].copy_(master, non_blocking=True)
+            ea.copy_(holder.moments[0], non_blocking=True)
+            eas.copy_(holder.moments[1], non_blocking=True)
+            landed.record(d2h)
+        holder.moments_fresh = True
+        holder.updated_on_device = True
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()  # queued on the device: running, whatever an abort cancels
+        self.worker.submit(priority, _complete, landed, fut, store, ready=landed.query)
+        return fut
+
+    def stale(self) -> None:
+        """The masters changed (see ``ResidentParts.stale``): the first block's device state is out of
+        date, but for the first such call after its update on the device."""
+        first = self.first
+        if first is not None:
+            if first.updated_on_device:
+                first.updated_on_device = False
+            else:
+                first.moments_fresh = False
+
+
+def device_moment_bytes(engine: Any) -> int:
+    """Device bytes the updates on the device keep once they run there (0 where they will not): the moments
+    of the part before the blocks, the first block's masters and moments, and its fp32 gradients while they
+    live. What a placement chosen from steps without them must leave free."""
+    if engine.replicas.parallel:
+        return 0
+    part = engine.resident.before
+    before = 0 if part is None or part.store.compact else 8 * part.store.train_numel
+    first = engine.stores[(engine.weights.recorded or [0])[0]]
+    return before + (0 if first.compact else 16 * first.train_numel)
+
+
+def _complete(landed: Any, fut: Future, store: Any) -> None:
+    """Host worker: the masters and moments are home; readers of the host state may go on."""
+    try:
+        landed.synchronize()
+        store.publish()
+        fut.set_result(None)
+    except BaseException as exc:  # handed to whoever waits on the future
+        fut.set_exception(exc)

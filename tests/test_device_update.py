@@ -1,0 +1,179 @@
+"""The resident part before the blocks (the input embedding, a tied LM head) and the first block updated on
+the device (``EngineConfig.update_on_device``, ``engine/device_update.py``), on the CPU in fp32 (bf16:
+tests/test_bf16_mixed_parity.py).
+
+It must be the host's update bit for bit (the same fused AdamW on the same values, so on the CPU the same
+kernel), land in the host masters and moments that checkpoints and ``optimizer.state_dict()`` read, resume
+exactly, and step aside wherever the host holds part of the gradient (accumulation) or the update does not
+overlap (clipping).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import assert_parity, compare_losses, compare_states, fit, megatrain
+from megatrain_lightning.engine.device_update import DeviceUpdate
+from zoo import ZOO
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+LOOSE: dict[str, dict[str, float]] = {"qwen2": {"self_attn.k_proj.bias": 2e-4}}  # as tests/test_parity.py
+
+
+@pytest.fixture
+def device_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many steps each run updated its part before the blocks on the device (one entry per call);
+    ``block_updates`` the same for its first block."""
+    calls: list[int] = []
+    run = DeviceUpdate.run
+
+    def counted(self: DeviceUpdate, part: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(part.store.train_numel)
+        return run(self, part, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceUpdate, "run", counted)
+    return calls
+
+
+@pytest.fixture
+def block_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The block each update of a block on the device updated, in order."""
+    calls: list[int] = []
+    run_block = DeviceUpdate.run_block
+
+    def counted(self: DeviceUpdate, block: int, *args: Any, **kwargs: Any) -> Any:
+        calls.append(block)
+        return run_block(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceUpdate, "run_block", counted)
+    return calls
+
+
+def adamw(name: str, **kwargs: Any) -> Any:
+    return partial(ZOO[name], optimizer="adamw", lr=3e-3, scheduler=True, **kwargs)
+
+
+def optimizer_state(run: Any) -> dict[str, torch.Tensor]:
+    sd = run.trainer.optimizers[0].state_dict()
+    return {f"{i}.{k}": v.clone() for i, st in sd["state"].items() for k, v in st.items()
+            if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # an untied head (embedding alone), a tied one
+def test_updated_on_the_device_as_under_the_default_strategy(name: str, device_updates: list[int],
+                                                             block_updates: list[int]) -> None:
+    ref = fit(adamw(name), None, max_steps=6)
+    got = fit(adamw(name), megatrain(update_on_device=True), max_steps=6)
+    assert len(device_updates) == 6 and device_updates[0] > 0, device_updates
+    assert block_updates == [0] * 6
+    assert_parity(ref, got, loose=LOOSE.get(name))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("cached", [0, 3])  # the first block in a rotating slot, in its fixed one (all 3 cached)
+def test_the_same_step_bit_for_bit_as_the_host_update(name: str, cached: int, device_updates: list[int],
+                                                      block_updates: list[int]) -> None:
+    """Same weights, losses and optimizer state (moments and step counts read from the host, where the
+    device updates' copies home put them) as with ``update_on_device=False``."""
+    on = fit(adamw(name), megatrain(update_on_device=True, cache_weights=cached), max_steps=5)
+    assert len(device_updates) == 5 and block_updates == [0] * 5
+    off = fit(adamw(name), megatrain(update_on_device=False, cache_weights=cached), max_steps=5)
+    assert len(device_updates) == 5 and len(block_updates) == 5  # the second run took the host path
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key
+    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
+    assert on_opt.keys() == off_opt.keys() and len(on_opt) > 0
+    for key, value in off_opt.items():
+        assert torch.equal(on_opt[key], value), key
+
+
+def test_off_by_default_where_nothing_chooses_it(device_updates: list[int], block_updates: list[int]) -> None:
+    """A placement field: on the CPU (nothing chooses a placement) None is the streaming value, off."""
+    fit(adamw("llama"), megatrain(), max_steps=2)
+    assert device_updates == [] and block_updates == []
+
+
+def test_a_first_block_with_frozen_weights(block_updates: list[int]) -> None:
+    """The first block's frozen weights (a LoRA base, a frozen projection) stay in its slot as the backward
+    read them; its trainable ones are updated on the device."""
+
+    def freeze(module: Any) -> None:
+        module.model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+        module.model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+
+    def factory() -> Any:
+        module = adamw("llama")()
+        freeze(module)
+        return module
+
+    ref = fit(factory, None, max_steps=4)
+    got = fit(factory, megatrain(update_on_device=True), max_steps=4)
+    assert block_updates == [0] * 4
+    assert_parity(ref, got)
+
+
+def test_param_groups_and_weight_decay_per_group(device_updates: list[int]) -> None:
+    """The embedding in a group of its own (no weight decay), the blocks in another: each group's
+    hyperparameters reach the device kernel."""
+    factory = partial(ZOO["llama"], param_groups=True, weight_decay=0.1)
+    ref = fit(factory, None, max_steps=4)
+    got = fit(factory, megatrain(update_on_device=True), max_steps=4)
+    assert len(device_updates) == 4
+    assert_parity(ref, got)
+
+
+@pytest.mark.parametrize("kwargs", [dict(accumulate_grad_batches=2), dict(gradient_clip_val=0.5)],
+                         ids=["accumulation", "clipping"])
+def test_the_host_update_where_the_device_cannot_take_it(kwargs: dict, device_updates: list[int],
+                                                         block_updates: list[int]) -> None:
+    """Accumulation: the host holds the earlier micro-batches' gradients; clipping: no overlapped update."""
+    ref = fit(adamw("llama"), None, max_steps=3, **kwargs)
+    got = fit(adamw("llama"), megatrain(update_on_device=True), max_steps=3, **kwargs)
+    assert device_updates == [] and block_updates == []
+    assert_parity(ref, got)
+
+
+def test_resume_refreshes_the_device_moments(tmp_path: Any, device_updates: list[int], block_updates: list[int]
+                                             ) -> None:
+    """A checkpoint holds the moments the device update sent home; a resumed run (a module built from
+    another seed) copies them to the device before its first update and goes on as the uninterrupted run."""
+    factory = partial(ZOO["llama"], n_train=12, batch_size=4, optimizer="adamw", scheduler=True)
+    on = megatrain(update_on_device=True)
+    full = fit(factory, on, max_epochs=2, max_steps=-1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    fit(factory, on, max_epochs=1, max_steps=-1, callbacks=[ckpt], enable_checkpointing=True)
+    del device_updates[:]
+    resumed = fit(factory, on, seed=1, max_epochs=2, max_steps=-1, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert len(device_updates) == 3 and block_updates[-3:] == [0] * 3
+    compare_losses(full.losses[3:], resumed.losses, rtol=0)
+    compare_states(full.state, resumed.state, rtol=0, what="resumed vs uninterrupted")
+
+
+def test_the_next_forward_reads_the_first_block_from_its_slot(monkeypatch: pytest.MonkeyPatch,
+                                                              block_updates: list[int]) -> None:
+    """What the update on the device is for: the next forward's first block is not copied from the host
+    again (all blocks cached: it goes to the device once, at the first step; on the host path, every step)."""
+    from megatrain_lightning.engine.prefetch import WeightStream
+
+    loads: list[int] = []
+    load = WeightStream._load
+
+    def logged(self: WeightStream, block: int, *args: Any, **kwargs: Any) -> Any:
+        s = load(self, block, *args, **kwargs)
+        if s is not None:
+            loads.append(block)
+        return s
+
+    monkeypatch.setattr(WeightStream, "_load", logged)
+    fit(adamw("llama"), megatrain(update_on_device=True, cache_weights=3), max_steps=5)
+    assert block_updates == [0] * 5 and loads.count(0) == 1, loads
+    del loads[:]
+    fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=5)
+    assert loads.count(0) == 5, loads
