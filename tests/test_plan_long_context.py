@@ -184,7 +184,10 @@ def test_long_context_7b_answers() -> None:
     assert h200.fits and h200.run.work.seq_len == 262144 and h200.needs_offload == 0
     assert h200.shape.mlp_folds_norm and h200.run.work.mlp_chunk_tokens == 16384
     assert h200.run.engine.saved_inputs_dtype == "compute"
-    assert 95 * GB < h200.gpu_total < 110 * GB  # 28 saved inputs of 1.9 GB on the device
+    # 28 saved inputs of 1.9 GB on the device, and 8.1 GB for the embedding's and first block's updates there
+    # (update_on_device: chosen, 0.2 s faster of 162; without it 103.5 GB)
+    assert h200.run.engine.update_on_device
+    assert 95 * GB < h200.gpu_total < 115 * GB
     long = _plan("hardware=h200", "data.seq_len=524288", "strategy.engine.offload_inputs=15")
     assert long.fits and long.needs_offload == 15
     gh200 = _plan("hardware=gh200", "data.seq_len=524288", "strategy.engine.offload_inputs=27")
