@@ -156,8 +156,10 @@ class AutoPlacement:
 
     def _moments(self) -> float:
         """The device bytes the updates on the device will take from the first overlapped step on (the
-        measured and tried steps do not overlap theirs): counted in a placement that turns it on."""
-        return 0.0 if self.accumulate > 1 or self.clip else float(device_moment_bytes(self.engine))
+        measured and tried steps do not overlap theirs): counted in a placement that turns it on (with the
+        blocks the user asked for; one where it is chosen)."""
+        blocks = 1 if self.requested.update_on_device is None else int(self.requested.update_on_device)
+        return 0.0 if self.accumulate > 1 or self.clip else float(device_moment_bytes(self.engine, blocks))
 
     def _check(self, step: Any) -> None:
         assert self.measured is not None

@@ -108,15 +108,18 @@ class EngineConfig:
         update_on_device: the updates the next forward waits for first run on the device, where their
             gradients are: the part before the blocks (the input embedding, a tied LM head with it; the
             device already holds an fp32 copy of its masters) and the first block (its new weights are cast
-            into its slot); the same AdamW, the same step, and their new masters and moments go home during
-            the next forward, which no longer waits for their gradient copies, host AdamW and weight copies
-            (``engine/device_update.py``). Costs the part's Adam moments on the device, 8 B/param, and the
-            block's fp32 masters, moments and gradients, 16 B/param (7B: 4.4 + 3.7 GB). Applies with the
-            overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'
-            ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``: chosen with
-            the placement when the strategy chooses one (on where the planner predicts the faster step
-            with its memory counted; off where the memory is worth more, e.g. at long context), off where
-            the placement is set by hand or nothing chooses it (the CPU).
+            into its slot); the same AdamW, the same step, and their new masters and moments go home while
+            the device goes on, so the next forward no longer waits for their gradient copies, host AdamW
+            and weight copies (``engine/device_update.py``). ``True`` (or 1): those two; a number ``N`` > 1:
+            also ``N - 1`` of the cached blocks (``cache_weights``; their new weights stay in their fixed
+            slots), each taking its AdamW off the host, for a run the host AdamW bounds. Costs the part's
+            Adam moments on the device, 8 B/param, and each block's fp32 masters and moments, 12 B/param,
+            plus one block's fp32 gradients while it is updated (7B, ``True``: 4.4 + 3.7 GB). Applies with
+            the overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'
+            ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``: chosen (off
+            or ``True``) with the placement when the strategy chooses one (on where the planner predicts the
+            faster step with its memory counted; off where the memory is worth more, e.g. at long context),
+            off where the placement is set by hand or nothing chooses it (the CPU).
     """
 
     slots: int | None = None
@@ -132,7 +135,7 @@ class EngineConfig:
     pin_memory: bool | None = None
     overlap_optimizer: bool = True
     overlap_next_forward: bool = True
-    update_on_device: bool | None = None
+    update_on_device: bool | int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -157,6 +160,9 @@ class EngineConfig:
             problems.append(f"host_state={self.host_state!r}: expected one of {HOST_STATES}")
         if self.grad_buffers is not None and (not isinstance(self.grad_buffers, int) or self.grad_buffers < 0):
             problems.append(f"grad_buffers={self.grad_buffers!r}: a number of pooled buffers, >= 0 (None: automatic)")
+        if self.update_on_device is not None and (not isinstance(self.update_on_device, int) or self.update_on_device < 0):
+            problems.append(f"update_on_device={self.update_on_device!r}: True, False, or a number of blocks >= 0 "
+                            "(the first block and cached ones)")
         if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
             problems.append(f"host_threads={self.host_threads!r}: a number of threads, >= 1 (None: the free cores)")
         if problems:

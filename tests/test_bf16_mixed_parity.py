@@ -32,9 +32,10 @@ STEPS = 12
         # its fp32 norm gains into the slot's fp32 copies): a streamed first block, then a cached one
         (TinyLlama, dict(update_on_device=True)),
         (TinyQwen2, dict(update_on_device=True, cache_weights=3)),
+        (TinyQwen2, dict(update_on_device=3, cache_weights=3)),  # every block updated in its fixed slot
     ],
     ids=["llama-defaults", "llama-fp32-grads", "qwen2-keep-cache", "qwen2-matmuls-pool", "llama-on-device",
-         "qwen2-on-device-cached"],
+         "qwen2-on-device-cached", "qwen2-all-blocks-on-device"],
 )
 def test_bf16_mixed_matches_lightning_step_for_step(factory: Any, engine: dict, one_intra_op_thread: Any) -> None:
     ref = fit(factory, None, precision="bf16-mixed", max_steps=STEPS)

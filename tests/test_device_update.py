@@ -177,3 +177,26 @@ def test_the_next_forward_reads_the_first_block_from_its_slot(monkeypatch: pytes
     del loads[:]
     fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=5)
     assert loads.count(0) == 5, loads
+
+
+@pytest.mark.parametrize(("cached", "want"), [(3, [2, 1, 0]), (1, [2, 0])], ids=["all-cached", "last-cached"])
+def test_more_blocks_on_the_device_bit_for_bit(cached: int, want: list[int], block_updates: list[int]) -> None:
+    """``update_on_device=3``: the first block and the cached ones (in backward order), as the host would;
+    a streamed block other than the first stays on the host path."""
+    on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=4)
+    assert block_updates == want * 4, block_updates
+    off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=4)
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key
+    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
+    for key, value in off_opt.items():
+        assert torch.equal(on_opt[key], value), key
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "2"])
+def test_update_on_device_refuses_what_is_not_a_count(value: Any) -> None:
+    from megatrain_lightning import EngineConfig
+
+    with pytest.raises(ValueError, match="update_on_device="):
+        EngineConfig(update_on_device=value)

@@ -94,17 +94,18 @@ def _fp32_factory() -> Any:
     )
 
 
-@pytest.mark.parametrize("update_on_device", [False, True])
-def test_cuda_fp32_parity_three_slots(no_tf32: None, update_on_device: bool) -> None:
+@pytest.mark.parametrize(("update_on_device", "cached"), [(False, 0), (True, 0), (4, 3)])
+def test_cuda_fp32_parity_three_slots(no_tf32: None, update_on_device: bool | int, cached: int) -> None:
+    """(4, 3): the first block and three cached ones updated on the device."""
     factory = _fp32_factory()
     ref, t_ref = _timed_fit(factory, None, max_steps=20, precision="32-true", **CUDA)
-    got, t_got = _timed_fit(factory, pinned(slots=3, update_on_device=update_on_device), max_steps=20,
-                            precision="32-true", **CUDA)
+    got, t_got = _timed_fit(factory, pinned(slots=3, update_on_device=update_on_device, cache_weights=cached),
+                            max_steps=20, precision="32-true", **CUDA)
     assert_is_megatrain(got)
     worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses)) if got.losses else float("nan")
     worst_param = max((rel_diff(ref.state[k], got.state[k]) for k in ref.state if k in got.state), default=float("nan"))
     print(
-        f"\n(a) fp32 TF32-off, slots=3, update_on_device={update_on_device}, 6x256 Llama, 20 steps: native "
+        f"\n(a) fp32 TF32-off, slots=3, update_on_device={update_on_device}, cache {cached}, 6x256 Llama, 20 steps: native "
         f"{t_ref:.1f} s, megatrain {t_got:.1f} s; "
         f"worst loss rel diff {worst_loss:.2e}, worst param ||delta||/||ref|| {worst_param:.2e}"
     )
@@ -304,7 +305,7 @@ def test_cuda_no_hidden_sync_in_a_step() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run, _ = _timed_fit(_depth_factory(6, batch=2, seq=512), pinned(keep_activations=1, cache_weights=2, offload_inputs=True,
-                                                                        update_on_device=True),
+                                                                        update_on_device=3),
                             max_steps=4, precision="bf16-mixed", callbacks=[probe], **CUDA)
     torch.cuda.set_sync_debug_mode("default")
     assert_is_megatrain(run)

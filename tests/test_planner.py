@@ -64,7 +64,7 @@ def test_gpu_bytes_by_hand() -> None:
     # one micro-batch per step: the embedding (200) and the first block (300) are updated on the device, the
     # embedding's fp32 Adam moments there, the block's fp32 masters, moments and gradients
     single = gpu_bytes(SHAPE, RUN.replace(accumulate=1, update_on_device=True))
-    key = "embedding and first block Adam state (updated on device)"
+    key = "embedding and block Adam state (updated on device)"
     assert single[key] == 8 * 200 + 16 * 300
     assert gpu_bytes(SHAPE, RUN.replace(accumulate=1))[key] == 0
     # keep the last block's activations (30h + 6kv + 8I per token), cache both blocks' weights
@@ -126,6 +126,23 @@ def test_step_time_with_the_updates_on_the_device() -> None:
     h2d_first_on = (4 * 300 + 4 * 200) / 1e9
     fwd_first_on = max(h2d_first_on, 12 * (200 + 300) / 0.9e9)  # the copies home beside the weights coming in
     assert on.step_s == pytest.approx(fwd_first_on + max(bwd_on, 300 / 1e9 * shared + adam_head))
+
+
+def test_cached_blocks_updated_on_the_device_take_their_adamw_off_the_host() -> None:
+    """``update_on_device=2`` with both blocks cached: both blocks' AdamW off the host, their masters and
+    moments in device memory (12 B/param each, one block's fp32 gradients beside); with one cached, the
+    second is that one; with none cached, only the first block."""
+    single = RUN.replace(accumulate=1, cache_weights=2)
+    one, two = single.replace(update_on_device=True), single.replace(update_on_device=2)
+    assert one.device_blocks(2) == 1 and two.device_blocks(2) == 2
+    assert single.replace(update_on_device=2, cache_weights=1).device_blocks(2) == 2
+    assert single.replace(update_on_device=2, cache_weights=0).device_blocks(2) == 1
+    p_one, p_two = make_plan(SHAPE, one, HW), make_plan(SHAPE, two, HW)
+    adam_block = 300 / 1e9 * (28 + 4 + 0) / 28  # cached: no re-streamed masters beside it
+    assert p_two.times["host optimizer"] == pytest.approx(p_one.times["host optimizer"] - adam_block)
+    key = "embedding and block Adam state (updated on device)"
+    assert gpu_bytes(SHAPE, two)[key] == 8 * 200 + 12 * 600 + 4 * 300
+    assert gpu_bytes(SHAPE, one)[key] == 8 * 200 + 12 * 300 + 4 * 300
 
 
 def test_largest_micro_batch_is_the_boundary() -> None:

@@ -8,15 +8,16 @@ backward and the next step's first kernel: at 7B about 0.2 s (the embedding's 0.
 step the host would take: same hyperparameters, same step counts) runs on device copies of their masters
 and moments, the new weights are the next forward's (the resident part's fp32 copy; the first block's slot,
 cast as a copy from the host would be), and the new masters and moments go home on the device->host stream
-while that forward runs.
+while the device goes on. Cached blocks can be updated here too (``device_blocks``): each takes its AdamW
+off the host, for runs that the host AdamW bounds; their new weights stay in their fixed slots.
 
-Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for the first
-block, its fp32 masters (4 B/param) last; they hold what the host holds once ``landed`` has fired, and are
+Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for a block, its
+fp32 masters (4 B/param) last; they hold what the host holds once ``landed`` has fired, and are
 refreshed from the host whenever the masters may have changed behind the engine's back (``stale`` after
 a load, a reclaim, an aborted step). They are rewritten (the next update, a refresh) only after the previous
 copy home has read them (``landed``). The host masters and moments are written by that copy: the update's
 future, which every reader of host state waits for (``UpdateTracker``), completes only once it has landed,
-and it cannot be cancelled (an aborted step counts it as run: the copy is queued). The first block's fp32
+and it cannot be cancelled (an aborted step counts it as run: the copy is queued). A block's fp32
 gradients (4 B/param, when it computes in bf16) live from its backward to the update's last kernel.
 """
 
@@ -35,7 +36,7 @@ from .streams import Streams
 
 @dataclass
 class BlockOnDevice:
-    """The first block's lasting device state for its update there (a resident part keeps the same fields)."""
+    """A block's lasting device state for its update there (a resident part keeps the same fields)."""
 
     block: int
     master: torch.Tensor  # fp32, the trainable region
@@ -46,8 +47,8 @@ class BlockOnDevice:
 
 
 class DeviceUpdate:
-    """Runs the updates of the part before the blocks and of the first block on the device, when the host
-    optimizer offers one.
+    """Runs the updates of the part before the blocks and of :func:`device_blocks` on the device, when the
+    host optimizer offers one.
 
     Only while the engine's placement says so (``EngineConfig.update_on_device``), on one rank (under data
     parallel each store has an owner of its own) and without the gradient path's finiteness check (its flag
@@ -59,8 +60,8 @@ class DeviceUpdate:
         self.pins: PinnedRegistry = engine.pins
         self.worker: HostWorker = engine.worker
         self.engine = engine
-        self.first: BlockOnDevice | None = None
-        self.active: Callable[[], bool] = lambda: (engine.config.update_on_device is True
+        self.blocks: dict[int, BlockOnDevice] = {}  # the blocks updated here so far, by index
+        self.active: Callable[[], bool] = lambda: (bool(engine.config.update_on_device)
                                                    and not engine.replicas.parallel and not engine.grads.check_finite)
         self._pinned_ok: dict[int, bool] = {}  # id(store) -> its masters and moments are pinned (asked once)
 
@@ -72,11 +73,11 @@ class DeviceUpdate:
                 and self._can(part.store, grads, then))
 
     def applies_block(self, block: int, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
-        """Whether ``block``'s final gradients can update it here: it is the next forward's first block,
+        """Whether ``block``'s final gradients can update it here: it is one of :func:`device_blocks`,
         nothing of its gradient is held or being added on the host, and its weights are in a slot."""
         engine = self.engine
         store = engine.stores[block]
-        return (block == (engine.weights.recorded or [0])[0] and store.half_grad is None
+        return (self.active() and block in device_blocks(engine) and store.half_grad is None
                 and all(p.grad is None for p in store.trainable) and not engine.grads.adding(store)
                 and engine.weights.slots.slot_of(block) is not None and self._can(store, grads, then))
 
@@ -113,23 +114,23 @@ class DeviceUpdate:
         return self._update(part.store, part.device[:n], part, list(grads), then, priority)
 
     def run_block(self, block: int, grads: Sequence[torch.Tensor | None], then: Any) -> Future:
-        """The same for the first block: its fp32 gradients from ``grads``, its new weights into the slot
-        the backward read them from (``WeightStream.refresh``), masters and moments home."""
+        """The same for a block: its fp32 gradients from ``grads``, its new weights into the slot the
+        backward read them from (``WeightStream.refresh``), masters and moments home."""
         store = self.engine.stores[block]
         n = store.train_numel
-        first = self.first
-        if first is None or first.block != block or first.master.numel() != n:
-            first = self.first = BlockOnDevice(block, torch.empty(n, device=self.streams.device))
+        held = self.blocks.get(block)
+        if held is None or held.master.numel() != n:  # its first update here, or its store was laid out again
+            held = self.blocks[block] = BlockOnDevice(block, torch.empty(n, device=self.streams.device))
         compute = self.streams.compute()
-        if first.landed is not None:
-            self.streams.wait(compute, first.landed)  # the previous copy home has read what is rewritten now
-        if not first.moments_fresh:
-            first.master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
+        if held.landed is not None:
+            self.streams.wait(compute, held.landed)  # the previous copy home has read what is rewritten now
+        if not held.moments_fresh:
+            held.master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
         # buffer lifetime: allocated on the compute stream, freed once the update's kernels are queued
         wide = [g is None or g.dtype == torch.float32 for g in grads]
         g32 = [g if w else g.float() for g, w in zip(grads, wide)]
-        fut = self._update(store, first.master, first, g32, then, block)
-        self.engine.weights.refresh(block, first.master)
+        fut = self._update(store, held.master, held, g32, then, block)
+        self.engine.weights.refresh(block, held.master)
         return fut
 
     def _update(self, store: Any, master: torch.Tensor, holder: Any, grads: list[torch.Tensor | None], then: Any,
@@ -162,26 +163,39 @@ class DeviceUpdate:
         return fut
 
     def stale(self) -> None:
-        """The masters changed (see ``ResidentParts.stale``): the first block's device state is out of
-        date, but for the first such call after its update on the device."""
-        first = self.first
-        if first is not None:
-            if first.updated_on_device:
-                first.updated_on_device = False
+        """The masters changed (see ``ResidentParts.stale``): the blocks' device state is out of date, but
+        for the first such call after their update on the device."""
+        for held in self.blocks.values():
+            if held.updated_on_device:
+                held.updated_on_device = False
             else:
-                first.moments_fresh = False
+                held.moments_fresh = False
 
 
-def device_moment_bytes(engine: Any) -> int:
-    """Device bytes the updates on the device keep once they run there (0 where they will not): the moments
-    of the part before the blocks, the first block's masters and moments, and its fp32 gradients while they
-    live. What a placement chosen from steps without them must leave free."""
-    if engine.replicas.parallel:
+def device_blocks(engine: Any) -> list[int]:
+    """The blocks ``EngineConfig.update_on_device`` updates on the device: the next forward's first block,
+    then as many cached blocks as the number asks for beyond it (their fixed slots keep the new weights;
+    a streamed block's slot is refilled before the next forward needs it, but for the last one the backward
+    read), in forward order."""
+    n = int(engine.config.update_on_device or 0)
+    if n == 0:
+        return []
+    order = list(dict.fromkeys(engine.weights.recorded or range(len(engine.stores))))
+    cached = [b for b in order[1:] if b in engine.weights.slots.fixed]
+    return order[:1] + cached[: n - 1]
+
+
+def device_moment_bytes(engine: Any, blocks: int = 1) -> int:
+    """Device bytes the updates on the device keep once they run there, with ``blocks`` blocks (0 where they
+    will not): the moments of the part before the blocks, each block's fp32 masters and moments and one
+    block's fp32 gradients while they live. What a placement chosen from steps without them must leave free."""
+    if engine.replicas.parallel or blocks == 0:
         return 0
     part = engine.resident.before
     before = 0 if part is None or part.store.compact else 8 * part.store.train_numel
-    first = engine.stores[(engine.weights.recorded or [0])[0]]
-    return before + (0 if first.compact else 16 * first.train_numel)
+    order = list(dict.fromkeys(engine.weights.recorded or range(len(engine.stores))))
+    sizes = [engine.stores[b].train_numel for b in order[:blocks] if not engine.stores[b].compact]
+    return before + 12 * sum(sizes) + 4 * max(sizes, default=0)
 
 
 def _complete(landed: Any, fut: Future, store: Any) -> None:

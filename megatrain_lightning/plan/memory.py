@@ -196,9 +196,10 @@ def gpu_bytes(shape: PlanShape, run: Run) -> dict[str, float]:
         # first block's backward, before the peak)
         "resident params + grads": 4 * shape.resident_params
         + 4 * (shape.resident_params - (shape.untied_head() if run.head_in_backward else 0)),
-        # update_on_device: the embedding's moments; the first block's fp32 masters, moments and gradients
-        "embedding and first block Adam state (updated on device)":
-            8 * (shape.resident_params - shape.untied_head()) + 16 * shape.block_params / shape.layers
+        # update_on_device: the embedding's moments; each block's fp32 masters and moments, one's gradients
+        "embedding and block Adam state (updated on device)":
+            8 * (shape.resident_params - shape.untied_head())
+            + (12 * run.device_blocks(shape.layers) + 4) * shape.block_params / shape.layers
             if run.update_on_device else 0,
         "LM head autocast copy (2 B/param)": 2 * shape.head_params if w.bf16 else 0,
         f"saved block inputs ({'bf16' if narrow else 'fp32'})": on_device * saved_input_bytes(shape, run),

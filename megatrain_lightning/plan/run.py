@@ -85,8 +85,16 @@ class Run:
     def update_on_device(self) -> bool:
         """Whether the part before the blocks and the first block are updated on the device
         (``EngineConfig.update_on_device``)."""
-        return (self.engine.update_on_device is True and self.engine.overlap_optimizer and not self.compact
+        return (bool(self.engine.update_on_device) and self.engine.overlap_optimizer and not self.compact
                 and self.work.accumulate == 1 and not self.work.clip)
+
+    def device_blocks(self, layers: int) -> int:
+        """How many of ``layers`` blocks are updated on the device: the first, and cached ones up to the
+        number ``update_on_device`` asks for (``engine/device_update.device_blocks``)."""
+        if not self.update_on_device:
+            return 0
+        cached = min(self.engine.cached_blocks, layers)
+        return 1 + min(int(self.engine.update_on_device) - 1, cached - (cached == layers))
 
     @property
     def run_on(self) -> bool:

@@ -88,15 +88,18 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     # former's weights stay there, the latter's new ones are cast into its slot, neither's gradients leave;
     # their masters and moments (12 B/param) go home during the next forward.
     on_device = shape.resident_params - shape.untied_head() if run.update_on_device else 0
-    first = shape.block_params / layers  # the next forward's first block
-    first_on_device = first if run.update_on_device else 0
+    first = shape.block_params / layers  # the next forward's first block (and the size of any other)
+    blocks_on_device = run.device_blocks(layers)  # the first and, beyond it, cached ones
+    first_on_device = first * blocks_on_device
     h2d_fwd_first = (weight_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
-    d2h_fwd = (inputs_b + 12 * (on_device + first_on_device)) / (link * BIDIRECTIONAL_FACTOR)  # beside the weights in
-    d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)
-               ) / (link * BIDIRECTIONAL_FACTOR)
+    # masters and moments home: the embedding's and the first block's in the next forward, beside the weights
+    # coming in; the other blocks' in the backward, as they are updated, instead of their gradients
+    d2h_fwd = (inputs_b + 12 * (on_device + min(first_on_device, first))) / (link * BIDIRECTIONAL_FACTOR)
+    d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 12 * max(first_on_device - first, 0)
+               + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
     adam_blocks = (shape.block_params - first_on_device) / adam_rate
