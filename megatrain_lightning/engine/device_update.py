@@ -77,7 +77,7 @@ class DeviceUpdate:
         nothing of its gradient is held or being added on the host, and its weights are in a slot."""
         engine = self.engine
         store = engine.stores[block]
-        return (self.active() and block in device_blocks(engine) and store.half_grad is None
+        return (block in device_blocks(engine) and store.half_grad is None
                 and all(p.grad is None for p in store.trainable) and not engine.grads.adding(store)
                 and engine.weights.slots.slot_of(block) is not None and self._can(store, grads, then))
 
@@ -127,8 +127,7 @@ class DeviceUpdate:
         if not held.moments_fresh:
             held.master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
         # buffer lifetime: allocated on the compute stream, freed once the update's kernels are queued
-        wide = [g is None or g.dtype == torch.float32 for g in grads]
-        g32 = [g if w else g.float() for g, w in zip(grads, wide)]
+        g32 = [g if g is None or g.dtype == torch.float32 else g.float() for g in grads]
         fut = self._update(store, held.master, held, g32, then, block)
         self.engine.weights.refresh(block, held.master)
         return fut
@@ -173,10 +172,10 @@ class DeviceUpdate:
 
 
 def device_blocks(engine: Any) -> list[int]:
-    """The blocks ``EngineConfig.update_on_device`` updates on the device: the next forward's first block,
-    then as many cached blocks as the number asks for beyond it (their fixed slots keep the new weights;
-    a streamed block's slot is refilled before the next forward needs it, but for the last one the backward
-    read), in forward order."""
+    """The blocks ``EngineConfig.update_on_device`` updates on the device, in forward order: the next
+    forward's first block (the slot the backward read last keeps its new weights), then up to N - 1 cached
+    blocks (their fixed slots keep them). No other streamed block: its slot is refilled before the next
+    forward needs it, which would then wait for the copy home and a copy back."""
     n = int(engine.config.update_on_device or 0)
     if n == 0:
         return []

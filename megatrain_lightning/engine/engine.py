@@ -340,7 +340,7 @@ class StreamingEngine:
     def offload_grads(self, block: int, grads: Sequence[torch.Tensor | None]) -> None:
         final = self.state.backward_call(block)  # a block called twice is final after its second backward
         then = self.on_grads_final if final and block not in self.outside.blocks else None  # outside: after it
-        if self.device_update.applies_block(block, grads, then):  # the next forward's first block
+        if self.device_update.applies_block(block, grads, then):  # see device_update.device_blocks
             self.updates.add(block, self.stores[block], self.device_update.run_block(block, grads, then))
         else:
             self._send(block, self.stores[block], grads, then, block)
