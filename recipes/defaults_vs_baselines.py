@@ -1,4 +1,5 @@
 # python recipes/defaults_vs_baselines.py --model qwen2_5_3b --micro-batch 8 --modes megatrain-default all-on-gpu deepspeed
+# python recipes/defaults_vs_baselines.py --modes megatrain-default megatrain-set --engine update_on_device=6
 """``Trainer(strategy="megatrain")`` with nothing set, against the baselines its users would otherwise run.
 
 One plain Hugging Face causal LM (random init from the config in ``conf/model/``, its own full-logit loss:
@@ -8,6 +9,8 @@ process of its own, side by side in one call:
 * ``megatrain-default``: ``Trainer(strategy="megatrain")``: fp32 masters and AdamW on the host, the placement
   chosen by the strategy from its measured first step (the chosen placement and its predicted step are
   reported).
+* ``megatrain-set``: the same with the ``EngineConfig`` fields ``--engine`` names set (the row is labelled
+  with them; what they leave open the strategy still chooses).
 * ``all-on-gpu``: Lightning's default strategy, everything on the GPU, Hugging Face per-layer gradient
   checkpointing, ``torch.optim.AdamW(fused=True)``.
 * ``deepspeed``: ``DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
@@ -33,7 +36,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("megatrain-default", "all-on-gpu", "deepspeed")
+MODES = ("megatrain-default", "megatrain-set", "all-on-gpu", "deepspeed")
+
+
+def engine_fields(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs as EngineConfig fields: ints, true/false, null, else the string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        low = text.lower()
+        out[key] = {"true": True, "false": False, "null": None, "none": None}.get(low, int(text) if text.isdigit() else text)
+    return out
 
 
 def _config(model: str) -> Any:
@@ -101,6 +114,10 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         import megatrain_lightning  # noqa: F401  (registers "megatrain")
 
         strategy: Any = "megatrain"
+    elif mode == "megatrain-set":
+        from megatrain_lightning import EngineConfig, MegaTrainStrategy
+
+        strategy = MegaTrainStrategy(EngineConfig(**engine_fields(args.engine)))
     elif mode == "deepspeed":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -143,7 +160,8 @@ def main() -> int:
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "megatrain-set"], choices=MODES)
+    ap.add_argument("--engine", nargs="*", default=[], help="EngineConfig fields key=value for megatrain-set")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per mode")
     ap.add_argument("--out", default=None, help="rows appended to OUT.csv / OUT.md (recipes/bench.py's columns)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -152,6 +170,10 @@ def main() -> int:
         print("ROW " + json.dumps(one(args.one, args)), flush=True)
         return 0
     rows, failed = [], False
+    if "megatrain-set" in args.modes:
+        from megatrain_lightning import EngineConfig
+
+        EngineConfig(**engine_fields(args.engine))  # a wrong field fails here, before any mode runs
     for mode in args.modes:
         cmd = [sys.executable, __file__, "--one", mode, *sys.argv[1:]]
         try:
@@ -161,6 +183,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc, line, status = None, None, f"timed out after {args.timeout} s"
         row = json.loads(line[4:]) if line else dict(mode=mode, model=args.model)
+        if mode == "megatrain-set":
+            row["mode"] = "megatrain " + " ".join(args.engine)  # what was set, not "default"
         row["status"] = status
         if status != "ok":
             failed = True
@@ -182,7 +206,9 @@ def main() -> int:
             r.update(date=str(datetime.date.today()), strategy=r["mode"], params=None,
                      machine=f"{machine}: {gpu}, torch {torch.__version__}, transformers {transformers.__version__}",
                      command=f"python recipes/defaults_vs_baselines.py --model {args.model} --micro-batch "
-                             f"{args.micro_batch} --seq-len {args.seq_len} --accumulate {args.accumulate} --modes {r['mode']}")
+                             f"{args.micro_batch} --seq-len {args.seq_len} --accumulate {args.accumulate} --modes "
+                             + ("megatrain-set --engine " + " ".join(args.engine) if r["mode"].startswith("megatrain ")
+                                else r["mode"]))
         append(rows, Path(args.out))
     return 1 if failed else 0
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from compat_zoo import (
     DIM, CausalLMModule, EngineProbe, MLPBlock, TokenBlocks, assert_exact, build_causal_lm, frozen_names, random_vectors,
 )
-from conftest import assert_is_megatrain, fit
+from conftest import assert_is_megatrain, fit, megatrain
 from zoo import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -75,6 +75,29 @@ def test_peft_lora_parity(case: str) -> None:
     assert_is_megatrain(got)
     assert frozen_names(got.module) == frozen
     assert_exact(ref, got, frozen=frozen)
+
+
+@pytest.mark.parametrize("case", ["llama-attn", "qwen2-mlp-save-lm_head"])
+def test_peft_lora_adapters_updated_on_the_device(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``update_on_device`` with both blocks cached: each block's adapters are updated on the device (its
+    frozen base stays in its slot as the backward read it), as under the default strategy."""
+    pytest.importorskip("peft")
+    from megatrain_lightning.engine.device_update import DeviceUpdate
+
+    updated: list[int] = []
+    run_block = DeviceUpdate.run_block
+
+    def counted(self: DeviceUpdate, block: int, *args: Any, **kwargs: Any) -> Any:
+        updated.append(block)
+        return run_block(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceUpdate, "run_block", counted)
+    factory = partial(LoraLM, **LORA_CASES[case])
+    ref = fit(factory, None, max_steps=3)
+    got = fit(factory, megatrain(update_on_device=2, cache_weights=2), max_steps=3)
+    assert_is_megatrain(got)
+    assert updated == [1, 0] * 3, updated
+    assert_exact(ref, got, frozen=frozen_names(ref.module))
 
 
 def test_peft_lora_frozen_weights_hold_no_training_state() -> None:
