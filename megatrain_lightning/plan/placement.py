@@ -53,7 +53,7 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
     engine = dataclasses.replace(engine, **{f: getattr(resolve(shape, work, engine, hw, tried=True).engine, f)
                                             for f in ("grad_buffers", "bf16_grads")})
     given, best = engine, None
-    # the embedding's update on the device (update_on_device): both ways where it is open and could apply
+    # the updates on the device (update_on_device): off and True where it is open and could apply
     could = work.accumulate == 1 and not work.clip and engine.host_state != "compact" and engine.overlap_optimizer
     for on in ([False, True] if could else [False]) if engine.update_on_device is None else [engine.update_on_device]:
         engine = dataclasses.replace(given, update_on_device=on)

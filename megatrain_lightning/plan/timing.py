@@ -84,9 +84,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
     inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
-    # The part before the blocks and the first block updated on the device (engine/device_update.py): the
-    # former's weights stay there, the latter's new ones are cast into its slot, neither's gradients leave;
-    # their masters and moments (12 B/param) go home during the next forward.
+    # The part before the blocks and the first block (and, asked for, cached ones) updated on the device
+    # (engine/device_update.py): the former's weights stay there, the blocks' new ones are cast into their
+    # slots, none of their gradients leave; their masters and moments (12 B/param) go home.
     on_device = shape.resident_params - shape.untied_head() if run.update_on_device else 0
     first = shape.block_params / layers  # the next forward's first block (and the size of any other)
     blocks_on_device = run.device_blocks(layers)  # the first and, beyond it, cached ones
