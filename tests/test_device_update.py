@@ -200,3 +200,32 @@ def test_update_on_device_refuses_what_is_not_a_count(value: Any) -> None:
 
     with pytest.raises(ValueError, match="update_on_device="):
         EngineConfig(update_on_device=value)
+
+
+def test_a_new_placement_gives_the_device_state_back_and_stays_exact(block_updates: list[int]) -> None:
+    """Between steps the placement changes (as the strategy's chosen placement does): the updates' device
+    state goes, the next updates refresh it from the host, and the run is the host path's bit for bit."""
+    import lightning.pytorch as pl
+
+    from megatrain_lightning import EngineConfig
+
+    class Replace(pl.Callback):
+        megatrain_reads_weights = False
+
+        def __init__(self) -> None:
+            self.released: list[int] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            if trainer.global_step == 2:
+                engine = trainer.strategy.engine
+                engine.place(EngineConfig(update_on_device=3, cache_weights=1))
+                self.released.append(len(engine.device_update.blocks))
+
+    replace = Replace()
+    on = fit(adamw("llama"), megatrain(update_on_device=3, cache_weights=3), max_steps=5, callbacks=[replace])
+    assert replace.released == [0]
+    assert block_updates == [2, 1, 0] * 2 + [2, 0] * 3, block_updates
+    off = fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=5)
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key

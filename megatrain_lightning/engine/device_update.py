@@ -161,6 +161,13 @@ class DeviceUpdate:
         self.worker.submit(priority, _complete, landed, fut, store, ready=landed.query)
         return fut
 
+    def release(self) -> None:
+        """The placement changes (``placement.replace``, after the engine settled): the device state of the
+        updates here goes back to the device; whatever runs here next is refreshed from the host."""
+        self.blocks = {}
+        for part in self.engine.resident.parts:
+            part.moments, part.moments_fresh = None, False
+
     def stale(self) -> None:
         """The masters changed (see ``ResidentParts.stale``): the blocks' device state is out of date, but
         for the first such call after their update on the device."""

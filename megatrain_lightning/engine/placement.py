@@ -43,6 +43,7 @@ def replace(engine: Any, config: EngineConfig) -> None:
         torch.cuda.synchronize(engine.device)
     recorded = engine.weights.recorded
     engine.weights.close()
+    engine.device_update.release()
     engine.meter.memory.release_cached()
     engine.config = config
     lay_out(engine, config)
