@@ -1,6 +1,6 @@
-"""The resident part before the blocks (the input embedding, a tied LM head) and the first block updated on
-the device (``EngineConfig.update_on_device``, ``engine/device_update.py``), on the CPU in fp32 (bf16:
-tests/test_bf16_mixed_parity.py).
+"""The resident part before the blocks (the input embedding, a tied LM head), the first block and, asked
+for, cached blocks updated on the device (``EngineConfig.update_on_device``, ``engine/device_update.py``), on
+the CPU in fp32 (bf16: tests/test_bf16_mixed_parity.py; peft LoRA: tests/test_compat_frozen.py).
 
 It must be the host's update bit for bit (the same fused AdamW on the same values, so on the CPU the same
 kernel), land in the host masters and moments that checkpoints and ``optimizer.state_dict()`` read, resume
@@ -28,8 +28,7 @@ LOOSE: dict[str, dict[str, float]] = {"qwen2": {"self_attn.k_proj.bias": 2e-4}} 
 
 @pytest.fixture
 def device_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many steps each run updated its part before the blocks on the device (one entry per call);
-    ``block_updates`` the same for its first block."""
+    """The part before the blocks' updates on the device (its trainable size, one entry per update)."""
     calls: list[int] = []
     run = DeviceUpdate.run
 
