@@ -121,21 +121,18 @@ class DeviceUpdate:
         held = self.blocks.get(block)
         if held is None or held.master.numel() != n:  # its first update here, or its store was laid out again
             held = self.blocks[block] = BlockOnDevice(block, torch.empty(n, device=self.streams.device))
-        compute = self.streams.compute()
-        if held.landed is not None:
-            self.streams.wait(compute, held.landed)  # the previous copy home has read what is rewritten now
-        if not held.moments_fresh:
-            held.master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
         # buffer lifetime: allocated on the compute stream, freed once the update's kernels are queued
         g32 = [g if g is None or g.dtype == torch.float32 else g.float() for g in grads]
-        fut = self._update(store, held.master, held, g32, then, block)
+        fut = self._update(store, held.master, held, g32, then, block, own_master=True)
         self.engine.weights.refresh(block, held.master)
         return fut
 
     def _update(self, store: Any, master: torch.Tensor, holder: Any, grads: list[torch.Tensor | None], then: Any,
-                priority: int) -> Future:
+                priority: int, own_master: bool = False) -> Future:
         """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream), then the copy
-        of both home (device->host stream); the future completes when it has landed."""
+        of both home (device->host stream); the future completes when it has landed. ``own_master``: the
+        device masters are the holder's own (a block's), refreshed from the host with the moments (a
+        resident part's are its device copy, refreshed by ``ResidentParts.ensure``)."""
         n = store.train_numel
         compute, d2h = self.streams.compute(), self.streams.d2h
         ea, eas = store.moment_buffers()  # pinned (``_can``)
@@ -144,6 +141,8 @@ class DeviceUpdate:
         if holder.landed is not None:
             self.streams.wait(compute, holder.landed)  # the previous copy home has read what is rewritten now
         if not holder.moments_fresh:  # the first update, or the host state changed since the last one
+            if own_master:
+                master.copy_(store.master[:n], non_blocking=True)  # pinned (``_pinned``)
             holder.moments[0].copy_(ea, non_blocking=True)
             holder.moments[1].copy_(eas, non_blocking=True)
         then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
