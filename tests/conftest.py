@@ -311,3 +311,19 @@ def one_intra_op_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def block_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The block of each update the engine ran on the device (``engine/device_update.py``), in order."""
+    from megatrain_lightning.engine.device_update import DeviceUpdate
+
+    calls: list[int] = []
+    run_block = DeviceUpdate.run_block
+
+    def counted(self: DeviceUpdate, block: int, *args: Any, **kwargs: Any) -> Any:
+        calls.append(block)
+        return run_block(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceUpdate, "run_block", counted)
+    return calls

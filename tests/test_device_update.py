@@ -40,20 +40,6 @@ def device_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.fixture
-def block_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The block each update of a block on the device updated, in order."""
-    calls: list[int] = []
-    run_block = DeviceUpdate.run_block
-
-    def counted(self: DeviceUpdate, block: int, *args: Any, **kwargs: Any) -> Any:
-        calls.append(block)
-        return run_block(self, block, *args, **kwargs)
-
-    monkeypatch.setattr(DeviceUpdate, "run_block", counted)
-    return calls
-
-
 def adamw(name: str, **kwargs: Any) -> Any:
     return partial(ZOO[name], optimizer="adamw", lr=3e-3, scheduler=True, **kwargs)
 
