@@ -139,7 +139,8 @@ class AutoPlacement:
         engine = self.engine
         weights = max(s.numel for s in engine.stores) * engine.compute_dtype.itemsize
         m = Measured(peak=float(step.peak), kept_graph=float(step.kept_graph), block_weights=float(weights),
-                     budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks), device_moments=self._moments(),
+                     budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks), device_moments=self._moments(1),
+                     device_block_moments=self._moments(2) - self._moments(1),
                      matmuls_ratio=matmuls_ratio(self.shape) if self.shape is not None else None)
         self.measured = m
         predicted = None
@@ -154,11 +155,10 @@ class AutoPlacement:
         self.predicted = predicted
         self._take(chosen, why, predicted)
 
-    def _moments(self) -> float:
-        """The device bytes the updates on the device will take from the first overlapped step on (the
-        measured and tried steps do not overlap theirs): counted in a placement that turns it on (with the
-        blocks the user asked for; one where it is chosen)."""
-        blocks = 1 if self.requested.update_on_device is None else int(self.requested.update_on_device)
+    def _moments(self, blocks: int) -> float:
+        """The device bytes the updates on the device will take from the first overlapped step on with ``blocks``
+        blocks updated there (the measured and tried steps do not overlap theirs): what a placement that turns
+        them on must leave free (``Measured`` counts the first block's and each further one's)."""
         return 0.0 if self.accumulate > 1 or self.clip else float(device_moment_bytes(self.engine, blocks))
 
     def _check(self, step: Any) -> None:

@@ -116,10 +116,11 @@ class EngineConfig:
             Adam moments on the device, 8 B/param, and each block's fp32 masters and moments, 12 B/param,
             plus one block's fp32 gradients while it is updated (7B, ``True``: 4.4 + 3.7 GB). Applies with
             the overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'
-            ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``: chosen (off
-            or ``True``) with the placement when the strategy chooses one (on where the planner predicts the
-            faster step with its memory counted; off where the memory is worth more, e.g. at long context),
-            off where the placement is set by hand or nothing chooses it (the CPU).
+            ``.grad`` are then None after the step, as with pooled ``grad_buffers``. ``None``: chosen (off,
+            ``True`` or ``N``) with the placement when the strategy chooses one (the planner's fastest step with
+            the memory counted: ``N`` where the host AdamW bounds the step, e.g. 3B at 16 K tokens; off where
+            the memory is worth more, e.g. at long context), off where the placement is set by hand or nothing
+            chooses it (the CPU).
     """
 
     slots: int | None = None

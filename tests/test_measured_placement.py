@@ -138,6 +138,38 @@ def test_the_embeddings_device_update_chosen_where_it_is_the_faster_step() -> No
     assert not acc.update_on_device
 
 
+def test_cached_blocks_updated_on_the_device_chosen_where_the_host_adamw_bounds_the_step() -> None:
+    """3B plain HF on the H200 as measured there (2026-12-03, session 11 call 1: streaming peak 40.1 GB, a kept
+    block 2.47 GB at 16384 tokens): the host AdamW bounds the step (0.875 s with the first block on the device
+    against 0.811 s with 8 blocks), so the choice updates N > 1 blocks on the device, each counted at 12 B/param
+    in the measured prediction, and the planner times it faster than the first block alone or none."""
+    from test_placement import _setting
+
+    shape, work, hw = _setting("model=qwen2_5_3b", "data.batch_size=8", "hardware=h200_126g")
+    work = dataclasses.replace(work, loss_chunk_tokens=None)  # the plain HF module: its own full-logit loss
+    block = shape.block_params // shape.layers
+    m = Measured(peak=40.1 * GB, kept_graph=2.47 * GB, block_weights=2 * shape.largest_block, budget=137.5 * GB,
+                 layers=shape.layers, matmuls_ratio=matmuls_ratio(shape),
+                 device_moments=8 * (shape.resident_params - shape.untied_head()) + 16 * block,
+                 device_block_moments=12 * block)
+    chosen, step = by_planner(m, EngineConfig(), shape, work, hw)
+    assert chosen.update_on_device is not True and int(chosen.update_on_device) > 1 and m.fits(chosen)
+    for other in (True, False):
+        assert by_planner(m, EngineConfig(update_on_device=other), shape, work, hw)[1] > step
+    # the measured prediction counts the first block and each cached one asked for, no more than are cached
+    e = dataclasses.replace(chosen, update_on_device=3)
+    assert m.predicted_peak(e) - m.predicted_peak(dataclasses.replace(e, update_on_device=False)) == pytest.approx(
+        m.device_moments + 2 * m.device_block_moments)
+    few = dataclasses.replace(e, keep_activations=1, cache_weights=1)
+    assert m.predicted_peak(few) - m.predicted_peak(dataclasses.replace(few, update_on_device=False)) == pytest.approx(
+        m.device_moments + m.device_block_moments)
+    # a budget with room for the first block's state but not for the cached blocks' beside a kept block: fewer
+    tight = dataclasses.replace(m, budget=40.1 * GB + 2.47 * GB + 2 * shape.largest_block + m.device_moments
+                                + 0.5 * m.device_block_moments)
+    small, _ = by_planner(tight, EngineConfig(), shape, work, hw)
+    assert tight.fits(small) and (not small.update_on_device or int(small.update_on_device) < int(chosen.update_on_device))
+
+
 def test_clamp_takes_slots_then_cached_weights_then_kept_blocks() -> None:
     m = Measured(peak=10 * GB, kept_graph=2 * GB, block_weights=1 * GB, budget=30 * GB, layers=36)
     e = EngineConfig(slots=3, keep_activations=5, kept_saves="all", cache_weights=12, offload_inputs=False)

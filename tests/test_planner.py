@@ -12,6 +12,7 @@ import pytest
 from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile
+from megatrain_lightning.plan.timing import HOST_ADAM_IN_STEP, matmul_efficiency
 from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, resolve
 from megatrain_lightning.plan.fit import largest_micro_batch
 from megatrain_lightning.plan.memory import GB, PROCESS_OVERHEAD_GB, gpu_bytes, gpu_peak, host_bytes, pinned_bytes
@@ -22,9 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
                   layers=2, heads=2, head_dim=4, kv_dim=4, hidden=8, intermediate=16, vocab=50)
 RUN = Run(Workload(micro_batch=2, seq_len=3, accumulate=2), EngineConfig(slots=3, grad_buffers=4, bf16_grads=False))
+# peak and host rate such that the blocks compute at 0.6 TFLOPS and the host AdamW runs 1 G params/s in a step
 HW = HardwareProfile(name="toy", accelerator="cuda", device="cuda:0", precision="bf16-mixed", device_memory_gb=2,
-                     host_memory_gb=10, link_gb_per_s=1, peak_bf16_tflops=1, slots=3, micro_batch=2, seq_len=3,
-                     pinned_budget_gb=1, host_adam_gparams_per_s=1)
+                     host_memory_gb=10, link_gb_per_s=1, peak_bf16_tflops=0.6 / matmul_efficiency(SHAPE.hidden), slots=3, micro_batch=2, seq_len=3,
+                     pinned_budget_gb=1, host_adam_gparams_per_s=1 / HOST_ADAM_IN_STEP)
 
 
 def test_host_bytes_by_hand() -> None:
@@ -185,7 +187,7 @@ def test_cli_refuses_a_model_too_large_for_the_host() -> None:
 def test_updates_running_on_into_the_next_forward_hide_host_time() -> None:
     """Host-bound (slow host AdamW): without run-on the forward waits for every update; with it the step
     is the host's work alone; pooled buffers leave at most `grad_buffers` blocks' updates to the forward."""
-    slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4)
+    slow = dataclasses.replace(HW, host_adam_gparams_per_s=1e-4 / HOST_ADAM_IN_STEP)
     run = RUN.replace(accumulate=1, grad_buffers=0)
     # the untied head (200) is updated during the backward, the embedding (200) between steps (on the host)
     adam_blocks, adam_resident = 600 / 1e5 * (28 + 4 + 4) / 28 + 200 / 1e5, 200 / 1e5

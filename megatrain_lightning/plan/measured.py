@@ -52,12 +52,17 @@ class Measured:
     matmuls_ratio: float | None = None  # G under kept_saves="matmuls" over G; None: not offered
     capacity: float = 0.0  # what the allocator held when a step ran out of device memory; 0: none has
     device_moments: float = 0.0  # what the updates on the device keep there (update_on_device: moments, first block)
+    device_block_moments: float = 0.0  # and each further block updated there (update_on_device=N: 12 B/param)
 
     def predicted_peak(self, e: EngineConfig) -> float:
         ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
         graph = self.kept_graph * ratio
         extra_slots = max((e.slots or 2) - 2, 0)
-        moments = self.device_moments if e.update_on_device else 0.0  # not in the measured (host-updated) steps
+        moments = 0.0  # not in the measured (host-updated) steps
+        if e.update_on_device:  # the first block and, of the N asked for, as many as are cached (plan/run.py)
+            cached = min(e.cached_blocks, self.layers)
+            extra = min(int(e.update_on_device) - 1, cached - (cached == self.layers))
+            moments = self.device_moments + max(extra, 0) * self.device_block_moments
         return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights + moments
 
     def fits(self, e: EngineConfig) -> bool:
@@ -122,10 +127,13 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
 
 def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shape: PlanShape, work: Workload,
                 hw: HardwareProfile) -> tuple[EngineConfig, float]:
-    """``planned`` clamped to the measured prediction, and with the updates on the device turned off first
-    where they are on and open: whichever the planner times faster; and its step time."""
+    """``planned`` clamped to the measured prediction, and with the updates on the device on the first block only
+    (where it asks for N) or off first, where they are on and open: whichever the planner times faster; and its
+    step time."""
     options = [clamp(m, planned, unset)]
     if planned.update_on_device and "update_on_device" in unset:
+        if int(planned.update_on_device) > 1:  # N blocks: their memory may be worth more as kept blocks
+            options.append(clamp(m, dataclasses.replace(planned, update_on_device=True), unset))
         options.append(clamp(m, dataclasses.replace(planned, update_on_device=False), unset))
     timed = [(step_times(shape, resolve(shape, work, e, hw), hw)["step"], i) for i, e in enumerate(options)]
     step, best = min(timed)

@@ -6,7 +6,7 @@ from .experts import plan_note
 from .fit import Plan, ways_to_fit
 from .memory import GB, GIB
 from .placement import placement_line
-from .timing import MATMUL_EFFICIENCY
+from .timing import matmul_efficiency
 
 
 def verdict(plan: Plan) -> str:
@@ -58,7 +58,7 @@ def format_plan(plan: Plan) -> str:
     lines += [
         f"  bottleneck: {plan.bottleneck}; {plan.tokens_per_s:,.0f} tokens/s, "
         f"{s.model_flops_per_token(w.seq_len) * plan.tokens_per_s / 1e12:,.0f} model TFLOPS "
-        f"(at {MATMUL_EFFICIENCY:.0%} of {plan.hardware}'s bf16 peak)",
+        f"(blocks at {matmul_efficiency(s.hidden):.0%} of {plan.hardware}'s bf16 peak)",
         "",
         f"largest micro-batch at seq {w.seq_len}: {plan.max_micro_batch}; "
         f"largest seq len at micro-batch {w.micro_batch}: {plan.max_seq_len}",

@@ -1,6 +1,7 @@
 """Step time of one MegaTrainStrategy run from the hardware's ceilings and the overlap condition.
 
-Nothing here is fitted to measured runs (recipes/results/2026-11-30-planner-vs-measured.md compares):
+Two rates are set by measured whole-model runs (the block compute by hidden size, the host AdamW inside a step;
+see their constants); recipes/results/2026-11-30-planner-vs-measured.md compares the rest:
 each phase takes as long as its slowest resource (device compute, host->device copies, device->host
 copies), and the host AdamW runs beside the last backward and, running on, into the next forward.
 """
@@ -12,14 +13,27 @@ from .memory import GB, saved_input_bytes
 from .run import Run
 from .shape import PlanShape
 
-# Fraction of the profile's bf16 matmul peak that a transformer block's forward + backward reaches.
-# DESIGN.md §2: one Llama-7B-shaped layer, bf16 fwd+bwd, ran at ~460 / ~510 / ~505 TFLOPS of real work at
-# 2 K / 8 K / 16 K tokens against the 803 TFLOPS matmul ceiling: 0.57-0.64.
-MATMUL_EFFICIENCY = 0.6
+# Fraction of the profile's bf16 matmul peak that a dense transformer block's forward + backward reaches, by
+# hidden size. A block's matmul FLOPs grow as hidden^2 per token, the memory-bound work beside them (norms,
+# rotary, SwiGLU, residual adds) as hidden, so the rate falls toward small models: E / (1 + H0 / hidden).
+# DESIGN.md §2: one Llama-7B-shaped layer alone, ~460 / ~510 / ~505 TFLOPS of real work at 2 K / 8 K / 16 K
+# tokens against the 803 TFLOPS matmul ceiling (0.57-0.64). Two whole-model runs on the H200 set E and H0:
+# Qwen2.5-7B (hidden 3584) at 0.60 (plain HF, 16 x 2048: this model within 1.7 %, 2026-12-03 session 9) and
+# Qwen2.5-3B (hidden 2048) at 0.51 (its device-bound step with update_on_device=8, keep 33: 0.811 s against the
+# 0.680 s that 0.60 gives; recipes/results/2026-12-03-h200-session11.md).
+MATMUL_EFFICIENCY_MAX = 0.784
+MATMUL_EFFICIENCY_HIDDEN = 1100
+
+
+def matmul_efficiency(hidden: int) -> float:
+    """The fraction of the bf16 peak a dense block of this hidden size computes at (0.60 at 3584, 0.51 at 2048)."""
+    return MATMUL_EFFICIENCY_MAX / (1 + MATMUL_EFFICIENCY_HIDDEN / max(hidden, 1))
+
+
 # Causal attention (the scores under the diagonal) against the same bf16 peak, in the FLOPs counted here
 # (forward 2·H·Q·T per token and layer, its recompute, twice that in the backward). One Qwen2.5-7B layer on
 # the H200 (recipes/results/2026-12-02-h200-session5.md, SDPA's cuDNN kernel, the matmuls taken out at
-# MATMUL_EFFICIENCY): 0.54 at 128 K tokens, 0.56 at 256 K. The FlashAttention-2 kernel that SDPA takes at
+# matmul_efficiency): 0.54 at 128 K tokens, 0.56 at 256 K. The FlashAttention-2 kernel that SDPA takes at
 # short sequences runs slower (0.34 at 256 K), but there attention is a few percent of the step.
 ATTENTION_EFFICIENCY = 0.55
 # DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
@@ -33,6 +47,11 @@ PAGEABLE_SLOWDOWN = 55 / 6.7
 # 1.292-1.40 against 4.34-4.41, 0.32x.
 COMPACT_ADAM_SPEED = 1.25
 COMPACT_ADAM_SPEED_CHUNKED = 0.32
+# The host AdamW inside a step against the profile's standalone rate (less the bandwidth the copies take, below):
+# on the 3B step of recipes/results/2026-11-30-h200-throughput.md the worker was busy 0.82-0.90 s per step where
+# the standalone rate gives 0.661 s (the main thread, the pinned copies' staging and the page-cache traffic
+# share the cores and the memory bandwidth with it). 0.661 / 0.86 = 0.77.
+HOST_ADAM_IN_STEP = 0.77
 
 _RESOURCES = {
     "device compute": "compute",
@@ -66,7 +85,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     """
     w, e = run.work, run.engine
     tokens = w.tokens
-    rate = MATMUL_EFFICIENCY * hw.peak_bf16_tflops * 1e12
+    rate = matmul_efficiency(shape.hidden) * hw.peak_bf16_tflops * 1e12
     attn_rate = ATTENTION_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
     chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
@@ -101,7 +120,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 12 * max(first_on_device - first, 0)
                + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
-    adam_rate = hw.host_adam_gparams_per_s * 1e9 * (compact_speed if run.compact else 1.0)
+    adam_rate = hw.host_adam_gparams_per_s * 1e9 * HOST_ADAM_IN_STEP * (compact_speed if run.compact else 1.0)
     adam_blocks = (shape.block_params - first_on_device) / adam_rate
     adam_resident = (shape.resident_params - on_device) / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
