@@ -39,6 +39,7 @@ PUBLISHED = {
     "mistral_7b": (7.24, None),
     "gpt_oss_20b": (20.9, 3.6),
     "gpt_oss_120b": (116.8, 5.1),
+    "qwen3_30b_a3b": (30.5, 3.04),  # published 3.3 B active counts the input embedding (0.31 B); ModelShape does not
     "tiny": (0.000558, None),
 }
 

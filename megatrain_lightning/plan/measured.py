@@ -34,7 +34,7 @@ from ..config import EngineConfig
 from ..hardware import HardwareProfile
 from .fit import resolve
 from .memory import block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
-from .placement import HEADROOM, choose_placement
+from .placement import HEADROOM, HOST_MARGIN, choose_placement
 from .run import Workload
 from .shape import PlanShape
 from .timing import step_times
@@ -135,9 +135,9 @@ def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shap
         if int(planned.update_on_device) > 1:  # N blocks: their memory may be worth more as kept blocks
             options.append(clamp(m, dataclasses.replace(planned, update_on_device=True), unset))
         options.append(clamp(m, dataclasses.replace(planned, update_on_device=False), unset))
-    timed = [(step_times(shape, resolve(shape, work, e, hw), hw)["step"], i) for i, e in enumerate(options)]
-    step, best = min(timed)
-    return options[best], step
+    runs = [resolve(shape, work, e, hw) for e in options]
+    _, best = min((step_times(shape, r, hw, host_margin=HOST_MARGIN)["step"], i) for i, r in enumerate(runs))
+    return options[best], step_times(shape, runs[best], hw)["step"]  # chosen with the margin, predicted without
 
 
 def matmuls_ratio(shape: PlanShape) -> float:

@@ -61,7 +61,8 @@ _RESOURCES = {
 }
 
 
-def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool = True) -> dict[str, float]:
+def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool = True,
+               host_margin: float = 1.0) -> dict[str, float]:
     """Seconds per phase from the ceilings, and the step from the overlap condition.
 
     Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
@@ -81,7 +82,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     backward leaves undone run during the next forward instead of before it; pooled gradient buffers
     bound how many are left (the backward waits for a free buffer), so the forward can hide at most
     ``grad_buffers`` blocks' updates; but its first block waits for its own update, which starts only when
-    the backward ends (unless it runs on the device, ``update_on_device``).
+    the backward ends (unless it runs on the device, ``update_on_device``). ``host_margin`` > 1 slows the host
+    AdamW by that factor (what a placement is chosen with: ``placement.HOST_MARGIN``).
     """
     w, e = run.work, run.engine
     tokens = w.tokens
@@ -120,7 +122,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 12 * max(first_on_device - first, 0)
                + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
-    adam_rate = hw.host_adam_gparams_per_s * 1e9 * HOST_ADAM_IN_STEP * (compact_speed if run.compact else 1.0)
+    adam_rate = hw.host_adam_gparams_per_s * 1e9 * HOST_ADAM_IN_STEP * (compact_speed if run.compact else 1.0) / host_margin
     adam_blocks = (shape.block_params - first_on_device) / adam_rate
     adam_resident = (shape.resident_params - on_device) / adam_rate
     # An untied LM head (and the final norm) is updated during the backward (engine/resident.py): only
