@@ -35,7 +35,7 @@ from ..hardware import HardwareProfile
 from .fit import resolve
 from .memory import block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
 from .placement import HEADROOM, HOST_MARGIN, choose_placement
-from .run import Workload
+from .run import Workload, device_blocks
 from .shape import PlanShape
 from .timing import step_times
 
@@ -58,11 +58,8 @@ class Measured:
         ratio = (self.matmuls_ratio or 1.0) if e.kept_saves == "matmuls" else 1.0
         graph = self.kept_graph * ratio
         extra_slots = max((e.slots or 2) - 2, 0)
-        moments = 0.0  # not in the measured (host-updated) steps
-        if e.update_on_device:  # the first block and, of the N asked for, as many as are cached (plan/run.py)
-            cached = min(e.cached_blocks, self.layers)
-            extra = min(int(e.update_on_device) - 1, cached - (cached == self.layers))
-            moments = self.device_moments + max(extra, 0) * self.device_block_moments
+        blocks = device_blocks(e, self.layers)  # not in the measured (host-updated) steps
+        moments = self.device_moments + (blocks - 1) * self.device_block_moments if blocks else 0.0
         return self.peak + (e.keep_activations or 0) * graph + (e.cached_blocks + extra_slots) * self.block_weights + moments
 
     def fits(self, e: EngineConfig) -> bool:

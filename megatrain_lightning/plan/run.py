@@ -91,11 +91,17 @@ class Run:
     def device_blocks(self, layers: int) -> int:
         """How many of ``layers`` blocks are updated on the device: the first, and cached ones up to the
         number ``update_on_device`` asks for (``engine/device_update.device_blocks``)."""
-        if not self.update_on_device:
-            return 0
-        cached = min(self.engine.cached_blocks, layers)
-        return 1 + min(int(self.engine.update_on_device) - 1, cached - (cached == layers))
+        return device_blocks(self.engine, layers) if self.update_on_device else 0
 
     @property
     def run_on(self) -> bool:
         return self.engine.overlap_optimizer and self.engine.overlap_next_forward and not self.work.clip
+
+
+def device_blocks(engine: EngineConfig, layers: int) -> int:
+    """The blocks ``engine.update_on_device`` updates on the device where it applies: the first, and up to
+    N - 1 cached ones (the first block, when cached, is one of them); 0 where it is off."""
+    if not engine.update_on_device:
+        return 0
+    cached = min(engine.cached_blocks, layers)
+    return 1 + max(min(int(engine.update_on_device) - 1, cached - (cached == layers)), 0)
