@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_out, ref_grads = run(ref_model, x1.double())
     del ref_model
     watch = ["layers.0.self_attn.sinks", "layers.1.self_attn.sinks", "layers.1.self_attn.q_proj.weight",
-             "layers.1.mlp.router.weight"]
+             "layers.1.mlp.router.weight", "layers.1.mlp.experts.gate_up_proj_bias", "layers.1.mlp.experts.down_proj"]
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a.double() - b).norm() / b.norm()).item()
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
     print(f"\nGPT-OSS layer x {args.layers}, {args.micro_batch} x {seq} tokens, {device} {dtype}, "
           f"torch {torch.__version__}")
-    print("| variant | ms/layer fwd+bwd | model TFLOPS (active) | peak reserved GiB | rel err: out, sinks0, sinks1, q_proj1, router1 (mb 1 vs fp64 eager"
+    print("| variant | ms/layer fwd+bwd | model TFLOPS (active) | peak reserved GiB | rel err: out, sinks0, sinks1, q_proj1, router1, experts1 gate_up bias, experts1 down (mb 1 vs fp64 eager"
           f"{', fp32 copy' if args.check_fp32 else ''}) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:

@@ -221,12 +221,14 @@ class HFMoE(HFCausalLM):
     auxiliary (load-balancing) loss on: ``config.output_router_logits=True``, and HF's ``outputs.loss``
     is the LM loss plus that coefficient times the loss of the router logits its hooks recorded."""
 
-    def __init__(self, router_aux_loss_coef: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, router_aux_loss_coef: float = 0.0, experts_implementation: str = "eager", **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     def router_kwargs(self) -> dict[str, Any]:
+        """The router loss and the experts' implementation (transformers' `eager` loop unless one is given)."""
         coef = self.hparams.router_aux_loss_coef
-        return {"output_router_logits": coef > 0, "router_aux_loss_coef": coef}
+        return {"output_router_logits": coef > 0, "router_aux_loss_coef": coef,
+                "experts_implementation": self.hparams.experts_implementation}
 
 
 class TinyGptOss(HFMoE):
@@ -255,7 +257,6 @@ class TinyGptOss(HFMoE):
             max_position_embeddings=64,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             attn_implementation="eager",
-            experts_implementation="eager",
             **self.router_kwargs(),
         )
         assert self.hparams.seq_len > config.sliding_window
@@ -280,7 +281,6 @@ class TinyMixtral(HFMoE):
             num_experts_per_tok=2,
             max_position_embeddings=64,
             attn_implementation="eager",
-            experts_implementation="eager",
             **self.router_kwargs(),
         )
         return MixtralForCausalLM(config)
@@ -308,7 +308,6 @@ class TinyQwen3Moe(HFMoE):
             mlp_only_layers=[1],
             max_position_embeddings=64,
             attn_implementation="eager",
-            experts_implementation="eager",
             **self.router_kwargs(),
         )
         return Qwen3MoeForCausalLM(config)
@@ -333,7 +332,6 @@ class TinyQwen2Moe(HFMoE):
             num_experts_per_tok=2,
             max_position_embeddings=64,
             attn_implementation="eager",
-            experts_implementation="eager",
             **self.router_kwargs(),
         )
         return Qwen2MoeForCausalLM(config)

@@ -147,8 +147,8 @@ class DeviceUpdate:
             holder.moments[1].copy_(eas, non_blocking=True)
         then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
         landed = holder.landed = self.streams.event()
+        self.streams.after_compute(d2h)  # the update has written masters and moments (asked outside ``on(d2h)``)
         with self.streams.on(d2h):
-            self.streams.after_compute(d2h)  # the update has written masters and moments
             store.master[:n].copy_(master, non_blocking=True)
             ea.copy_(holder.moments[0], non_blocking=True)
             eas.copy_(holder.moments[1], non_blocking=True)

@@ -175,8 +175,8 @@ class ResidentParts:
                 part.views = store.layout.views(part.device)
             compute = self.streams.compute()
             h2d = self.streams.h2d
+            self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
             with self.streams.on(h2d):
-                self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
                 if part.landed is not None:
                     self.streams.wait(h2d, part.landed)  # nor the copy home of a device update
                 for src, a, b in store.regions():  # trainable masters, then frozen weights

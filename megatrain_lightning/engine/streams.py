@@ -52,9 +52,15 @@ class Streams:
 
     def after_compute(self, stream: Any) -> None:
         """Make ``stream`` wait for everything queued on compute so far (no queued kernel may still read a
-        buffer that ``stream`` is about to overwrite)."""
+        buffer that ``stream`` is about to overwrite). Call it on the compute stream, not inside ``on(stream)``:
+        there the current stream is ``stream`` itself, and waiting for it orders nothing (until 2026-12-03 the
+        device update's copy home raced its AdamW kernels so: host masters and moments written half-updated)."""
         if self.cuda:
-            stream.wait_stream(self.compute())
+            compute = self.compute()
+            if compute == stream:
+                raise RuntimeError("Streams.after_compute called with the current stream as the waiter: it "
+                                   "would wait for itself (call it outside `with streams.on(stream)`)")
+            stream.wait_stream(compute)
 
     def record_on(self, stream: Any) -> Any:
         """A new event recorded on ``stream`` now."""

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.init import attach_weights_source
+from megatrain_lightning.models import expert_routing
 from megatrain_lightning.models.safetensors_source import SafetensorsSource, lazy_load_refusal
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,20 @@ def meta_model(config: PretrainedConfig, attn_implementation: str | None = None)
     """The model with every tensor on the meta device: costs no memory, gives exact shapes."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def route_experts(model: PreTrainedModel, experts_implementation: str | None) -> PreTrainedModel:
+    """Set how the model's mixture-of-experts layers run: `experts_implementation` if given (transformers'
+    `eager`, `grouped_mm`, `batched_mm`, ... or `grouped_mm_gather`); None: `grouped_mm_gather` where
+    transformers chose `grouped_mm` for the model's experts (models/expert_routing.py: the same function, with a
+    backward of gathers). Dense models are left as they are."""
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
+    elif model.config._experts_implementation == "grouped_mm" and any(
+        hasattr(m, "is_concatenated") for m in model.modules()  # set by transformers' use_experts_implementation
+    ):
+        model.set_experts_implementation(expert_routing.NAME)
+    return model
 
 
 def materialize(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:

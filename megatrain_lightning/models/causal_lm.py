@@ -24,7 +24,9 @@ from typing_extensions import override
 from megatrain_lightning.data.answers import same_answer
 from megatrain_lightning.data.sft_batch import IGNORE_INDEX
 from megatrain_lightning.errors import ConfigError
-from megatrain_lightning.models.build import hf_config, load_pretrained, materialize, meta_model, pretrained_config
+from megatrain_lightning.models.build import (
+    hf_config, load_pretrained, materialize, meta_model, pretrained_config, route_experts,
+)
 from megatrain_lightning.models.chunked_mlp import chunk_mlp
 from megatrain_lightning.models.lr_schedule import WarmupCosine
 from megatrain_lightning.models import sink_attention
@@ -95,6 +97,9 @@ class CausalLM(pl.LightningModule):
             GPT-OSS), not for models that rescale logits after it (Gemma's soft-capping).
         attn_implementation: transformers attention backend (`sdpa`, `eager`, `flash_attention_2`);
             None lets the model pick (GPT-OSS needs `eager` for its attention sinks).
+        experts_implementation: how mixture-of-experts layers run (transformers' `eager`, `grouped_mm`,
+            `batched_mm`, ...); None: `grouped_mm_gather` (transformers' grouped_mm with a backward of gathers
+            and GEMMs, `models/expert_routing.py`). Dense models ignore it.
         mlp_chunk_tokens: run each decoder layer's MLP over chunks of this many tokens, each chunk's
             intermediate activations freed before the next (`models/chunked_mlp.py`): a layer's working
             set then stops growing with 8-12 x intermediate bytes per token (at 7B and 256 K tokens, ~60 GB
@@ -115,6 +120,7 @@ class CausalLM(pl.LightningModule):
         loss_chunk_tokens: int | None = None,
         attn_implementation: str | None = "sdpa",
         mlp_chunk_tokens: int | None = None,
+        experts_implementation: str | None = None,
     ) -> None:
         super().__init__()
         if config is None and pretrained is None:
@@ -128,7 +134,7 @@ class CausalLM(pl.LightningModule):
         vocab = self.hf_config.get_text_config().vocab_size
         if len(self.tokenizer) > vocab:
             raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model vocab_size={vocab}")
-        meta = meta_model(self.hf_config, self._attn_impl())
+        meta = route_experts(meta_model(self.hf_config, self._attn_impl()), experts_implementation)
         self.model_shape = ModelShape.of(meta)
         # Kept outside the module tree (a meta tensor there would confuse device moves) and reused
         # by configure_model, so a random-init model is constructed exactly once.
@@ -149,12 +155,14 @@ class CausalLM(pl.LightningModule):
         if self.model is not None:  # validate-then-fit calls this hook twice
             return
         if self.hparams.pretrained:
-            model = load_pretrained(self.hparams.pretrained, self._attn_impl())
+            model = route_experts(load_pretrained(self.hparams.pretrained, self._attn_impl()),
+                                  self.hparams.experts_implementation)
             model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
         else:
             meta = self.__dict__.pop("_meta_model", None)
             if meta is None or torch.get_default_dtype() != torch.float32:
-                meta = meta_model(self.hf_config, self._attn_impl())  # under the precision's default dtype
+                meta = route_experts(meta_model(self.hf_config, self._attn_impl()),  # under the precision's dtype
+                                     self.hparams.experts_implementation)
             device = torch.get_default_device()  # the strategy's init device (meta: it materialises later)
             model = meta if device.type == "meta" else materialize(meta, device)
         model.config.use_cache = False

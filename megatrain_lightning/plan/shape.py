@@ -30,6 +30,10 @@ class PlanShape:
     # of the expert weights, models/model_shape.py's rule). Device FLOPs follow these; the copies and the host
     # AdamW touch every block parameter. None: a dense model (all of them).
     active_block_params: int | None = None
+    # Mixture of experts: the (token, expert) rows a token is routed to over all blocks (experts per token x
+    # the blocks with routed experts): the routing's gathers, scatters and elementwise work scale with these
+    # rows x hidden. 0: a dense model.
+    routed_rows: int = 0
     # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
     # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
     mlp_params: int | None = None
@@ -98,6 +102,8 @@ class PlanShape:
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             vocab=config.vocab_size,
             active_block_params=round(active) if share < 1.0 else None,
+            routed_rows=(getattr(config, "num_experts_per_tok", 0) or 0) * sum(
+                any(is_expert_weight(n) for n, _ in b.named_parameters()) for b in blocks) if share < 1.0 else 0,
             mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
             mlp_folds_norm=all(folded_norm(b) is not None for b in blocks),
         )

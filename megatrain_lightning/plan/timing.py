@@ -36,6 +36,14 @@ def matmul_efficiency(hidden: int) -> float:
 # matmul_efficiency): 0.54 at 128 K tokens, 0.56 at 256 K. The FlashAttention-2 kernel that SDPA takes at
 # short sequences runs slower (0.34 at 256 K), but there attention is a few percent of the step.
 ATTENTION_EFFICIENCY = 0.55
+# Mixture of experts: device seconds per routed (token, expert) row and hidden element, per pass (forward,
+# recompute, and the backward as two), for what the routing does beside the matmuls: sorting the rows, the
+# gathers and scatters of experts_implementation="grouped_mm_gather", the gate's elementwise work, the weighted
+# sum. Fit on two whole-model H200 runs of 2026-12-03 (recipes/results/2026-12-03-h200-session12.md), the
+# device-busy time beyond this model's matmuls and attention: GPT-OSS-20B, 4 layers at 34 x 2048 (compute busy
+# 1.768 s against 1.285 s: 0.48 s over 3.2 G routed row-elements x 3.5 passes, 4.3e-11) and Qwen3-30B-A3B, 6
+# layers at 28 x 2048 (1.42 s against 0.71 s: 0.71 s over 5.6 G x 3.33, 3.8e-11).
+ROUTED_SECONDS_PER_ELEMENT = 4.0e-11
 # DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
 BIDIRECTIONAL_FACTOR = 49.5 / 55
 # DESIGN.md §2: pageable copies 6.7 GB/s against 55 pinned (used when the pinned buffers exceed the budget).
@@ -67,7 +75,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
 
     Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
     kept, N the block parameters a token passes through (a mixture of experts: its active experts only,
-    while the copies and the host AdamW below are on every parameter), plus 2 x the MLP's parameters when
+    while the copies and the host AdamW below are on every parameter, plus its routing's work per routed row,
+    ``ROUTED_SECONDS_PER_ELEMENT``), plus 2 x the MLP's parameters when
     it runs in chunks (each chunk's forward again in the backward); the head 2 forward + 4 backward (+2 when
     the chunked loss recomputes it); causal attention 2·L·H·Q·T per pass (forward, recompute, twice in
     the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it was charged
@@ -101,8 +110,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     fwd_flops = tokens * (2 * active + 2 * shape.head_params)
     bwd_flops = tokens * ((4 + 2 * recompute) * active + (6 if chunked else 4) * shape.head_params
                           + (2 * shape.mlp if w.mlp_chunked else 0))
-    dev_fwd = fwd_flops / rate + tokens * attn / attn_rate
-    dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate
+    routed = tokens * shape.routed_rows * shape.hidden * ROUTED_SECONDS_PER_ELEMENT  # one pass (0: dense)
+    dev_fwd = fwd_flops / rate + tokens * attn / attn_rate + routed
+    dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate + (2 + recompute) * routed
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
     inputs_b = e.offloaded_blocks(shape.layers) * saved_input_bytes(shape, run)  # offloaded saved inputs
     # The part before the blocks and the first block (and, asked for, cached ones) updated on the device
