@@ -125,3 +125,22 @@ def test_the_graph_sees_imports(tmp_path: pathlib.Path) -> None:
     assert "lightning" in GRAPH[f"{NAME}.strategy"][1]
     engine_imports = GRAPH[f"{NAME}.engine.engine"][0]
     assert f"{NAME}.engine.grads" in engine_imports and not any(m.startswith(f"{NAME}.optim") for m in engine_imports)
+
+
+def test_no_stream_waits_for_itself() -> None:
+    """``streams.after_compute(s)`` makes ``s`` wait for the compute stream, which is the *current* stream: inside
+    ``with streams.on(s)`` that is ``s`` itself, and the wait orders nothing (the device update's copy home raced its
+    AdamW so until 2026-12-03). No call of it may sit inside such a block, anywhere in the package."""
+    bad = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.With):
+                continue
+            if not any(isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute)
+                       and i.context_expr.func.attr == "on" for i in node.items):
+                continue
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                        and inner.func.attr == "after_compute":
+                    bad.append(f"{name}:{inner.lineno}")
+    assert not bad, bad

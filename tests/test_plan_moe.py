@@ -11,7 +11,7 @@ import pytest
 from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.hardware import HardwareProfile
 from megatrain_lightning.models.model_shape import ModelShape
-from megatrain_lightning.plan.timing import HOST_ADAM_IN_STEP, matmul_efficiency
+from megatrain_lightning.plan.timing import HOST_ADAM_IN_STEP, ROUTED_SECONDS_PER_ELEMENT, matmul_efficiency
 from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, plan_from_config
 
 # 2 blocks of 300 params, 400 resident, widths small enough to add by hand (as tests/test_planner.py).
@@ -59,6 +59,22 @@ def test_device_flops_on_active_parameters_copies_and_host_adamw_on_all() -> Non
     assert dense.times["device compute"] - moe.times["device compute"] == pytest.approx(tokens * 8 * 450 / rate)
     for key in ("host->device copies", "device->host copies", "host optimizer"):
         assert moe.times[key] == dense.times[key]
+
+
+def test_routed_rows_and_their_device_time() -> None:
+    """The routing's work: experts per token x the blocks with routed experts (tiny GPT-OSS: 2 x 4; tiny Qwen3-MoE,
+    its middle layer dense: 2 x 2; a dense model: none), charged per routed row and hidden element and pass
+    (forward, the backward as two, the recompute of every block here: no block kept)."""
+    from zoo import TinyGptOss, TinyLlama, TinyQwen3Moe
+
+    assert PlanShape.of(TinyGptOss().model).routed_rows == 8
+    assert PlanShape.of(TinyQwen3Moe().model).routed_rows == 4
+    assert PlanShape.of(TinyLlama().model).routed_rows == 0
+    moe = dataclasses.replace(SHAPE, active_block_params=150)
+    routed = make_plan(dataclasses.replace(moe, routed_rows=3), RUN, HW)
+    tokens = 6
+    assert routed.times["device compute"] - make_plan(moe, RUN, HW).times["device compute"] == pytest.approx(
+        tokens * 3 * SHAPE.hidden * ROUTED_SECONDS_PER_ELEMENT * (1 + 2 + 1))
 
 
 def _gpt_oss(overrides: list[str], model: str = "gpt_oss_20b"):

@@ -40,9 +40,10 @@ ATTENTION_EFFICIENCY = 0.55
 # recompute, and the backward as two), for what the routing does beside the matmuls: sorting the rows, the
 # gathers and scatters of experts_implementation="grouped_mm_gather", the gate's elementwise work, the weighted
 # sum. Fit on two whole-model H200 runs of 2026-12-03 (recipes/results/2026-12-03-h200-session12.md), the
-# device-busy time beyond this model's matmuls and attention: GPT-OSS-20B, 4 layers at 34 x 2048 (compute busy
+# device time beyond this model's matmuls and attention: GPT-OSS-20B, 4 layers at 34 x 2048 (profiled compute busy
 # 1.768 s against 1.285 s: 0.48 s over 3.2 G routed row-elements x 3.5 passes, 4.3e-11) and Qwen3-30B-A3B, 6
-# layers at 28 x 2048 (1.42 s against 0.71 s: 0.71 s over 5.6 G x 3.33, 3.8e-11).
+# layers at 28 x 2048 (a 1.42 s step against 0.71 s: 0.71 s over 5.6 G x 3.33, 3.8e-11). Both ran before that
+# day's stream-order fix, which changed when copies go home, not the device's work.
 ROUTED_SECONDS_PER_ELEMENT = 4.0e-11
 # DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
 BIDIRECTIONAL_FACTOR = 49.5 / 55
