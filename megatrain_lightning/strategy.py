@@ -41,8 +41,8 @@ from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
-    check_supported, host_memory_refusal, leaves_weights_alone, module_hooks_touch_weights, refuse_running_statistics,
-    writers_between_steps,
+    check_supported, experts_hint, host_memory_refusal, leaves_weights_alone, module_hooks_touch_weights,
+    refuse_running_statistics, writers_between_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,9 @@ class MegaTrainStrategy(ParallelStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         check_supported(module, trainer)
+        hint = experts_hint(module)
+        if hint is not None:
+            rank_zero_info(hint)
         named_blocks = find_blocks(module, self.block_class)
         blocks = [m for _, m in named_blocks]
         refuse_running_statistics(named_blocks)

@@ -97,3 +97,14 @@ def test_expert_parallel_is_refused() -> None:
     experts._is_expert_parallel = True
     with pytest.raises(NotImplementedError, match="grouped_mm_gather.*expert parallelism"):
         forward_backward(model)
+
+
+def test_the_strategy_names_grouped_mm_gather_for_a_module_on_grouped_mm() -> None:
+    """A user's own module on transformers' default experts gets one line naming the faster backward; a module
+    already on it, or a dense one, gets none."""
+    from megatrain_lightning.setup_checks import experts_hint
+
+    hint = experts_hint(ZOO["gpt_oss"](experts_implementation="grouped_mm"))
+    assert hint is not None and "GptOssForCausalLM" in hint and "set_experts_implementation('grouped_mm_gather')" in hint
+    assert experts_hint(ZOO["gpt_oss"](experts_implementation=GATHER)) is None
+    assert experts_hint(ZOO["llama"]()) is None
