@@ -59,6 +59,18 @@ def experts_hint(module: pl.LightningModule) -> str | None:
     return None
 
 
+def in_place_expert_bias(module: pl.LightningModule) -> str | None:
+    """The class of a Hugging Face experts module whose implementation adds its bias into the grouped_mm output in
+    place (transformers' ``grouped_mm`` and ``batched_mm`` with ``has_bias``: GPT-OSS), which a selective recompute
+    saving matmul outputs (``kept_saves="matmuls"``) refuses at the first backward; None where there is none."""
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(m, "has_bias", False) and hasattr(m, "is_concatenated") \
+                and getattr(cfg, "_experts_implementation", None) in ("grouped_mm", "batched_mm"):
+            return type(m).__name__
+    return None
+
+
 def refuse_running_statistics(blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
     """A norm that tracks running statistics updates them in its forward, which a streamed block runs
     twice per step (once more in the backward's recompute): refused by name, with the fix."""

@@ -9,6 +9,7 @@ This module knows nothing of CUDA streams; the engine knows nothing of Lightning
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
@@ -41,7 +42,8 @@ from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
-    check_supported, experts_hint, host_memory_refusal, leaves_weights_alone, module_hooks_touch_weights,
+    check_supported, experts_hint, host_memory_refusal, in_place_expert_bias, leaves_weights_alone,
+    module_hooks_touch_weights,
     refuse_running_statistics, writers_between_steps,
 )
 
@@ -234,6 +236,7 @@ class MegaTrainStrategy(ParallelStrategy):
         hint = experts_hint(module)
         if hint is not None:
             rank_zero_info(hint)
+        self._keep_whole_activations_for(in_place_expert_bias(module))
         named_blocks = find_blocks(module, self.block_class)
         blocks = [m for _, m in named_blocks]
         refuse_running_statistics(named_blocks)
@@ -311,6 +314,21 @@ class MegaTrainStrategy(ParallelStrategy):
             refusal = first_refusal(refusal, self.world_size)
         if refusal is not None:
             raise ConfigError(refusal)
+
+    def _keep_whole_activations_for(self, experts: str | None) -> None:
+        """Experts that add their bias in place (``in_place_expert_bias``) cannot have kept blocks save matmul
+        outputs only: refused where asked for; where the placement is chosen, kept blocks keep all they save."""
+        if experts is None or self.config.kept_saves == "all":
+            return
+        fix = ("set experts_implementation='grouped_mm_gather' (import megatrain_lightning.models; "
+               "model.set_experts_implementation('grouped_mm_gather'): the same function, its bias added out of place)")
+        if self.config.kept_saves == "matmuls":
+            raise ConfigError(f"kept_saves='matmuls' saves matmul outputs that {experts} (transformers' grouped_mm "
+                              f"experts with biases) then changes in place, which torch's selective recompute refuses "
+                              f"at the first backward: {fix}, or kept_saves='all'")
+        self.config = dataclasses.replace(self.config, kept_saves="all")
+        rank_zero_info(f"kept_saves='all': {experts} adds its bias into its matmul outputs in place, so kept blocks "
+                       f"cannot save matmul outputs only; to let the strategy choose, {fix}")
 
     def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import rel_diff, run_parity
+from conftest import fit, megatrain, rel_diff, run_parity
 from megatrain_lightning.models import expert_routing
 from zoo import ZOO
 
@@ -86,9 +86,10 @@ def test_backward_runs_no_index_put(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
-def test_trains_as_under_the_default_strategy(name: str) -> None:
+@pytest.mark.parametrize("option", [{}, {"keep_activations": 2, "kept_saves": "matmuls"}], ids=["streamed", "kept-matmuls"])
+def test_trains_as_under_the_default_strategy(name: str, option: dict) -> None:
     run_parity(partial(ZOO[name], optimizer="adamw", lr=3e-3, scheduler=True, router_aux_loss_coef=0.5,
-                       experts_implementation=GATHER))
+                       experts_implementation=GATHER), megatrain(**option))
 
 
 def test_expert_parallel_is_refused() -> None:
@@ -108,3 +109,20 @@ def test_the_strategy_names_grouped_mm_gather_for_a_module_on_grouped_mm() -> No
     assert hint is not None and "GptOssForCausalLM" in hint and "set_experts_implementation('grouped_mm_gather')" in hint
     assert experts_hint(ZOO["gpt_oss"](experts_implementation=GATHER)) is None
     assert experts_hint(ZOO["llama"]()) is None
+
+
+def test_grouped_mm_bias_experts_and_kept_matmul_outputs_refused_or_kept_whole() -> None:
+    """transformers' grouped_mm adds GPT-OSS's expert biases into the matmul outputs in place, which torch's
+    selective recompute refuses at the first backward: asked for, kept_saves='matmuls' is refused at setup with
+    the module and the fix; left to the strategy, kept blocks keep everything (and train exactly)."""
+    from megatrain_lightning.errors import ConfigError
+    from megatrain_lightning.setup_checks import in_place_expert_bias
+
+    factory = partial(ZOO["gpt_oss"], optimizer="adamw", lr=3e-3, experts_implementation="grouped_mm")
+    assert in_place_expert_bias(factory()) == "GptOssExperts"
+    assert in_place_expert_bias(ZOO["gpt_oss"](experts_implementation=GATHER)) is None
+    assert in_place_expert_bias(ZOO["qwen3_moe"](experts_implementation="grouped_mm")) is None  # no biases
+    with pytest.raises(ConfigError, match="GptOssExperts.*grouped_mm_gather.*kept_saves='all'"):
+        fit(factory, megatrain(keep_activations=2, kept_saves="matmuls"), max_steps=1)
+    _, got = run_parity(factory, megatrain(keep_activations=2))
+    assert got.trainer.strategy.config.kept_saves == "all"

@@ -17,7 +17,9 @@ are gathers and GEMMs:
   GEMM of [E, S] x [S, out] (fp32 accumulation).
 
 Everything else is Transformers' own: `_grouped_linear` (so `grouped_mm` on the GPU), the experts'
-`_apply_gate`, the reshape-sum over the k pairs. Expert parallelism (sentinel rows) is refused.
+`_apply_gate`, the reshape-sum over the k pairs; but the bias is added out of place (transformers adds it into
+the grouped_mm output in place, which a selective recompute that saves matmul outputs refuses: "Tensor cached
+during selective activation checkpoint has been mutated"). Expert parallelism (sentinel rows) is refused.
 `tests/test_expert_routing.py` checks outputs and every gradient against `eager` and `grouped_mm`.
 """
 
@@ -99,17 +101,17 @@ def grouped_mm_gather_experts_forward(
     counts = torch.histc(counts_of, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
-    def bias(name: str) -> torch.Tensor | None:
-        return _ExpertRows.apply(getattr(self, name), expert_ids) if self.has_bias else None
+    def linear(x: torch.Tensor, weight: str) -> torch.Tensor:
+        out = _grouped_linear(x, getattr(self, weight), offsets, is_transposed=self.is_transposed)
+        # the bias added out of place (transformers adds it in place): the grouped_mm output stays as it was
+        # made, which a selective recompute saving matmul outputs (kept_saves="matmuls") requires
+        return out + _ExpertRows.apply(getattr(self, f"{weight}_bias"), expert_ids) if self.has_bias else out
 
     if self.has_gate:
-        out = _grouped_linear(rows, self.gate_up_proj, offsets, bias=bias("gate_up_proj_bias"),
-                              is_transposed=self.is_transposed)
-        out = self._apply_gate(out)
+        out = self._apply_gate(linear(rows, "gate_up_proj"))
     else:
-        out = _grouped_linear(rows, self.up_proj, offsets, bias=bias("up_proj_bias"), is_transposed=self.is_transposed)
-        out = self.act_fn(out)
-    out = _grouped_linear(out, self.down_proj, offsets, bias=bias("down_proj_bias"), is_transposed=self.is_transposed)
+        out = self.act_fn(linear(rows, "up_proj"))
+    out = linear(out, "down_proj")
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     out = out * weights.unsqueeze(-1)
