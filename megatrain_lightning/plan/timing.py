@@ -20,7 +20,8 @@ from .shape import PlanShape
 # tokens against the 803 TFLOPS matmul ceiling (0.57-0.64). Two whole-model runs on the H200 set E and H0:
 # Qwen2.5-7B (hidden 3584) at 0.60 (plain HF, 16 x 2048: this model within 1.7 %, 2026-12-03 session 9) and
 # Qwen2.5-3B (hidden 2048) at 0.51 (its device-bound step with update_on_device=8, keep 33: 0.811 s against the
-# 0.680 s that 0.60 gives; recipes/results/2026-12-03-h200-session11.md).
+# 0.680 s that 0.60 gives; recipes/results/2026-12-03-h200-session11.md). Both ran before 2026-12-03's stream-order
+# fix of the device update; after it the 3B default ran 0.870 s against 0.794 planned (session 12), not re-fit.
 MATMUL_EFFICIENCY_MAX = 0.784
 MATMUL_EFFICIENCY_HIDDEN = 1100
 
