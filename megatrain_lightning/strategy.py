@@ -318,8 +318,8 @@ class MegaTrainStrategy(ParallelStrategy):
     def _keep_whole_activations_for(self, experts: str | None) -> None:
         """Experts that add their bias in place (``in_place_expert_bias``) cannot have kept blocks save matmul
         outputs only: refused where asked for; where the placement is chosen, kept blocks keep all they save."""
-        if experts is None or self.config.kept_saves == "all":
-            return
+        if experts is None or self.config.kept_saves == "all" or self.config.keep_activations == 0:
+            return  # nothing kept saves matmul outputs
         fix = ("set experts_implementation='grouped_mm_gather' (import megatrain_lightning.models; "
                "model.set_experts_implementation('grouped_mm_gather'): the same function, its bias added out of place)")
         if self.config.kept_saves == "matmuls":
