@@ -43,8 +43,7 @@ from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
     check_supported, experts_hint, host_memory_refusal, in_place_expert_bias, leaves_weights_alone,
-    module_hooks_touch_weights,
-    refuse_running_statistics, writers_between_steps,
+    module_hooks_touch_weights, refuse_running_statistics, writers_between_steps,
 )
 
 log = logging.getLogger(__name__)
