@@ -176,6 +176,8 @@ class MegaTrainPrecision(Precision):
             self._consecutive = 0
         self._after_closure(model, optimizer)  # on_before_optimizer_step, configure_gradient_clipping
         host = self.host_optimizers.get(id(optimizer))
+        if self.engine is not None:
+            self.engine.host_step_begins(claimed)  # a store updated on the device before comes home first
         if host is None:
             optimizer.step()
         else:

@@ -17,9 +17,13 @@ process of its own, side by side in one call:
   pin_memory=True)`` with ``DeepSpeedCPUAdam``, as its users configure it.
 
 Step time is the mean over the steps after ``--warmup`` (the first two of megatrain-default measure and try
-its placement), timed between synchronised batch ends. Model TFLOPS: ``PlanShape.model_flops_per_token``
-(6·N without the input embedding lookup, plus 12·L·H·Q·T). One JSON line per mode, rows appended to
-``--out`` (.csv/.md, ``recipes/bench.py``'s columns); exits 1 if any mode failed.
+its placement): the time from the synchronised end of the last warm-up step to the synchronised end of the
+last step, divided by the steps between, as a training run goes (no synchronisation between its steps;
+until 2026-12-04 every batch end was synchronised, which also waited for copies a run leaves in flight
+across the step boundary). ``step_times`` are the host's times between batch ends, for the spread. Model
+TFLOPS: ``PlanShape.model_flops_per_token`` (6·N without the input embedding lookup, plus 12·L·H·Q·T). One
+JSON line per mode, rows appended to ``--out`` (.csv/.md, ``recipes/bench.py``'s columns); exits 1 if any
+mode failed.
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 return DeepSpeedCPUAdam(self.parameters(), lr=1e-5)
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=mode == "all-on-gpu" or None)
 
+    per_step = args.accumulate
+    first, last = per_step * args.warmup - 1, per_step * (args.warmup + args.steps) - 1  # batch indices
+
     class Timer(pl.Callback):
         megatrain_reads_weights = False
 
@@ -107,7 +114,8 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             self.ends: list[float] = []
 
         def on_train_batch_end(self, *_: Any) -> None:
-            torch.cuda.synchronize()
+            if len(self.ends) in (first, last):
+                torch.cuda.synchronize()  # the window's two ends only: the steps between run as in training
             self.ends.append(time.perf_counter())
 
     if mode == "megatrain-default":
@@ -134,9 +142,8 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     t0 = time.perf_counter()
     trainer.fit(PlainLM(), torch.utils.data.DataLoader(data, batch_size=args.micro_batch))
-    per_step = args.accumulate
-    ends = timer.ends[per_step * args.warmup - 1 :: per_step]  # the end of each optimizer step from the warm-up's
-    step = (ends[-1] - ends[0]) / (len(ends) - 1)
+    assert len(timer.ends) == last + 1, (len(timer.ends), last)
+    step = (timer.ends[last] - timer.ends[first]) / args.steps
     tokens = args.micro_batch * args.seq_len * args.accumulate
     row = dict(mode=mode, model=args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
                accumulate=args.accumulate, step_s=round(step, 4), tokens_per_s=round(tokens / step),

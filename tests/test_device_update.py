@@ -214,3 +214,65 @@ def test_a_new_placement_gives_the_device_state_back_and_stays_exact(block_updat
     assert on.losses == off.losses
     for key, value in off.state.items():
         assert torch.equal(on.state[key], value), key
+
+
+def test_the_device_state_goes_home_only_when_read(block_updates: list[int]) -> None:
+    """Between steps the newer masters and moments of what the device updates stay there (nothing reads the
+    host's: ``megatrain_reads_weights = False``); the host's are a step behind until the run's end (or a
+    checkpoint, an evaluation) sends them home, and then they are the host path's bit for bit."""
+    import lightning.pytorch as pl
+
+    class Look(pl.Callback):
+        megatrain_reads_weights = False
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, bool]] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            engine = trainer.strategy.engine
+            part = engine.resident.before
+            if part.moments is not None:
+                ea, _ = part.store.moment_buffers()
+                self.seen.append((len(engine.device_update.behind), torch.equal(ea, part.moments[0])))
+
+    look = Look()
+    on = fit(adamw("llama"), megatrain(update_on_device=3, cache_weights=3), max_steps=4, callbacks=[look])
+    assert block_updates == [2, 1, 0] * 4, block_updates
+    assert look.seen == [(4, False)] * 3, look.seen  # the embedding and three blocks, the host a step behind
+    off = fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=4)
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key
+    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
+    assert on_opt.keys() == off_opt.keys() and len(on_opt) > 0
+    for key, value in off_opt.items():
+        assert torch.equal(on_opt[key], value), key
+
+
+@pytest.mark.parametrize("cached", [0, 3])
+def test_a_store_the_device_stops_updating_goes_home_before_its_host_update(cached: int,
+                                                                            block_updates: list[int]) -> None:
+    """The updates on the device stop applying between steps without a settle (here the config is switched
+    under a running engine): each store's newer device state goes home before its first host update."""
+    import dataclasses
+
+    import lightning.pytorch as pl
+
+    class Switch(pl.Callback):
+        megatrain_reads_weights = False
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            engine = trainer.strategy.engine
+            if trainer.global_step == 2:
+                assert engine.device_update.behind  # what steps 0-1 updated on the device is there only
+                engine.config = dataclasses.replace(engine.config, update_on_device=False)
+
+    on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=5, callbacks=[Switch()])
+    assert len(block_updates) == 2 * (3 if cached else 1), block_updates
+    off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=5)
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key
+    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
+    for key, value in off_opt.items():
+        assert torch.equal(on_opt[key], value), key

@@ -6,19 +6,26 @@ device->host gradient copy, host AdamW and host->device copy of the new masters 
 backward and the next step's first kernel: at 7B about 0.2 s (the embedding's 0.55 B parameters) and
 0.14 s (the first block's 0.23 B) of an idle GPU per step. Here the same AdamW (torch's fused kernel, the
 step the host would take: same hyperparameters, same step counts) runs on device copies of their masters
-and moments, the new weights are the next forward's (the resident part's fp32 copy; the first block's slot,
-cast as a copy from the host would be), and the new masters and moments go home on the device->host stream
-while the device goes on. Cached blocks can be updated here too (``device_blocks``): each takes its AdamW
-off the host, for runs that the host AdamW bounds; their new weights stay in their fixed slots.
+and moments, and the new weights are the next forward's (the resident part's fp32 copy; the first block's
+slot, cast as a copy from the host would be). Cached blocks can be updated here too (``device_blocks``):
+each takes its AdamW off the host, for runs that the host AdamW bounds; their new weights stay in their
+fixed slots.
+
+Home on demand: the device holds the newer masters and moments of what it updates (``behind``: the host's
+are a step or more older) and sends them home only when something reads the host state: the engine's
+``settle()`` (checkpoints, evaluation, hooks between steps, the end of fit), a host update of the same store
+(``home``), an aborted step. Only a streamed block's masters go home every step (its backward re-reads
+them from the host), 4 B/param; until 2026-12-04 masters and moments went home after every update, 12
+B/param on the device->host link: for GPT-OSS-20B cut to 7 layers, 47 GB per step, the step's bottleneck.
 
 Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for a block, its
-fp32 masters (4 B/param) last; they hold what the host holds once ``landed`` has fired, and are
-refreshed from the host whenever the masters may have changed behind the engine's back (``stale`` after
-a load, a reclaim, an aborted step). They are rewritten (the next update, a refresh) only after the previous
-copy home has read them (``landed``). The host masters and moments are written by that copy: the update's
-future, which every reader of host state waits for (``UpdateTracker``), completes only once it has landed,
-and it cannot be cancelled (an aborted step counts it as run: the copy is queued). A block's fp32
-gradients (4 B/param, when it computes in bf16) live from its backward to the update's last kernel.
+fp32 masters (4 B/param) last; they hold what the host holds, or newer (``behind``), once refreshed, and
+are refreshed from the host whenever the masters may have changed behind the engine's back (``stale``
+after a load, a reclaim, an aborted step: each comes after ``home``). They are rewritten (the next update,
+a refresh) only after the previous copy home has read them (``landed``). The update's future completes
+once its kernels have run (the gradients are read) and, for a streamed block, its masters have landed;
+it cannot be cancelled (an aborted step counts it as run). A block's fp32 gradients (4 B/param, when it
+computes in bf16) live from its backward to the update's last kernel.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class DeviceUpdate:
         self.active: Callable[[], bool] = lambda: (bool(engine.config.update_on_device)
                                                    and not engine.replicas.parallel and not engine.grads.check_finite)
         self._pinned_ok: dict[int, bool] = {}  # id(store) -> its masters and moments are pinned (asked once)
+        # id(store) -> (store, device masters, holder): the stores whose newer masters and moments are on the
+        # device only (see the module's "home on demand"); emptied by ``home``
+        self.behind: dict[int, tuple[Any, torch.Tensor, Any]] = {}
 
     def applies(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
         """Whether ``part`` can be updated here: fp32 host state, every gradient dense in the masters' dtype,
@@ -146,13 +156,17 @@ class DeviceUpdate:
             holder.moments[0].copy_(ea, non_blocking=True)
             holder.moments[1].copy_(eas, non_blocking=True)
         then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
-        landed = holder.landed = self.streams.event()
-        self.streams.after_compute(d2h)  # the update has written masters and moments (asked outside ``on(d2h)``)
-        with self.streams.on(d2h):
-            store.master[:n].copy_(master, non_blocking=True)
-            ea.copy_(holder.moments[0], non_blocking=True)
-            eas.copy_(holder.moments[1], non_blocking=True)
-            landed.record(d2h)
+        self.behind[id(store)] = (store, master, holder)
+        if own_master and holder.block not in self.engine.weights.slots.fixed:
+            # A streamed block: its recompute and backward in the next step load its weights from the host
+            # masters (whose update future they wait for). The moments stay behind.
+            landed = holder.landed = self.streams.event()
+            self.streams.after_compute(d2h)  # the update has written the masters (asked outside ``on(d2h)``)
+            with self.streams.on(d2h):
+                store.master[:n].copy_(master, non_blocking=True)
+                landed.record(d2h)
+        else:
+            landed = self.streams.record_on(compute)  # the update's kernels have read the gradients
         holder.moments_fresh = True
         holder.updated_on_device = True
         fut: Future = Future()
@@ -160,21 +174,58 @@ class DeviceUpdate:
         self.worker.submit(priority, _complete, landed, fut, store, ready=landed.query)
         return fut
 
+    def home(self, keep: set[int] | None = None, only: Any = None) -> None:
+        """Host sync point: the masters and moments the device holds ahead of the host (``behind``) go home:
+        all of them, or all but the stores whose ids are in ``keep`` (updated here this step), or ``only``
+        that store. Every reader or host writer of those stores' masters and moments calls it first
+        (``StreamingEngine.settle``, a host update of such a store)."""
+        keep = keep or set()
+        todo = [(k, v) for k, v in self.behind.items()
+                if k not in keep and (only is None or k == id(only))]
+        if not todo:
+            return
+        d2h = self.streams.d2h
+        self.streams.after_compute(d2h)  # every update queued so far has written them
+        with self.streams.on(d2h):
+            for _, (store, master, holder) in todo:
+                n = store.train_numel
+                ea, eas = store.moment_buffers()
+                store.master[:n].copy_(master, non_blocking=True)
+                ea.copy_(holder.moments[0], non_blocking=True)
+                eas.copy_(holder.moments[1], non_blocking=True)
+            landed = self.streams.record_on(d2h)
+        for key, (_, _, holder) in todo:
+            holder.landed = landed  # buffer lifetime: nothing rewrites them before this copy has read them
+            del self.behind[key]
+        landed.synchronize()  # host wait: the host state is whole again
+
     def release(self) -> None:
         """The placement changes (``placement.replace``, after the engine settled): the device state of the
         updates here goes back to the device; whatever runs here next is refreshed from the host."""
+        assert not self.behind, "release() before home(): the device holds state the host has not"
         self.blocks = {}
         for part in self.engine.resident.parts:
             part.moments, part.moments_fresh = None, False
 
     def stale(self) -> None:
         """The masters changed (see ``ResidentParts.stale``): the blocks' device state is out of date, but
-        for the first such call after their update on the device."""
+        for the first such call after their update on the device. Whatever changed the host state came after
+        ``home`` (settle, a host update, an abort all call it): a store still behind would lose that change."""
         for held in self.blocks.values():
             if held.updated_on_device:
                 held.updated_on_device = False
             else:
+                self._not_behind(self.engine.stores[held.block])
                 held.moments_fresh = False
+        for part in self.engine.resident.parts:
+            if not part.updated_on_device:
+                self._not_behind(part.store)
+
+    def _not_behind(self, store: Any) -> None:
+        if id(store) in self.behind:
+            raise RuntimeError(
+                "internal error: the host masters of a store updated on the device changed before its newer "
+                "state was sent home (device_update.home); please report it with the run's configuration")
 
 
 def device_blocks(engine: Any) -> list[int]:

@@ -215,7 +215,12 @@ class StreamingEngine:
         finds a consistent engine. Returns (how many of the step's updates ran, how many updates of any
         step failed): (0, 0) means the masters and moments are exactly the state before the step; anything
         else a mix of two steps (the caller refuses to save it)."""
-        ran = self.updates.abort_step()
+        ran, failed = self.updates.abort_step()
+        try:
+            self.device_update.home()  # the updates that ran on the device count as run: their state goes home
+        except Exception:  # noqa: BLE001  (the step's own exception is the one to see; the state is not whole)
+            self.device_update.behind = {}
+            failed += 1
         self.meter.restart()
         self.grads.abort()
         for store in self.all_stores():
@@ -228,7 +233,7 @@ class StreamingEngine:
         self.outside.sent = set()
         self.on_grads_final = None
         self.weights_changed()
-        return ran
+        return ran, failed
 
     def check_finite(self, on: bool) -> None:
         """Check every store's gradients on the device before they leave (``gradients_finite``), and have
@@ -243,6 +248,13 @@ class StreamingEngine:
         """Host sync point: the overlapped optimizer updates of this step have all run."""
         self.on_grads_final = None
         self.updates.wait_all()  # raises what an update raised
+        self.device_update.home()  # host sync: what the device updated is home (device_update.py)
+
+    def host_step_begins(self, claimed: set[int]) -> None:
+        """The optimizer step is about to update on the host every store but ``claimed`` (updated early):
+        those whose newer state is on the device go home first (host sync; only after the updates on the
+        device stop applying to a store, e.g. a placement or accumulation change)."""
+        self.device_update.home(keep=claimed)
 
     def take_claimed(self) -> set[int]:
         """Ids of the stores whose update was handed to ``on_grads_final`` since the last call: the
@@ -252,8 +264,8 @@ class StreamingEngine:
     def weights_changed(self) -> None:
         """The host masters were updated (optimizer step, checkpoint load): device copies are stale."""
         self.weights.invalidate()
+        self.device_update.stale()  # first: it reads the resident parts' ``updated_on_device``
         self.resident.stale()
-        self.device_update.stale()
 
     def make_trainable(self, params: Sequence[nn.Parameter] = ()) -> bool:
         """See :func:`~megatrain_lightning.engine.params.make_trainable`."""
@@ -343,6 +355,8 @@ class StreamingEngine:
         if self.device_update.applies_block(block, grads, then):  # see device_update.device_blocks
             self.updates.add(block, self.stores[block], self.device_update.run_block(block, grads, then))
         else:
+            if then is not None:
+                self.device_update.home(only=self.stores[block])  # its host update reads the host state
             self._send(block, self.stores[block], grads, then, block)
         self.outside.sent.add(block)
         self.stats.bump(self.stats.d2h, block)

@@ -128,10 +128,12 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     h2d_fwd = weight_b * shape.block_params * streamed / link
     h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
-    # masters and moments home: the embedding's and the first block's in the next forward, beside the weights
-    # coming in; the other blocks' in the backward, as they are updated, instead of their gradients
-    d2h_fwd = (inputs_b + 12 * (on_device + min(first_on_device, first))) / (link * BIDIRECTIONAL_FACTOR)
-    d2h_bwd = (grad_b * (shape.block_params - first_on_device) + 12 * max(first_on_device - first, 0)
+    # What the device updates stays there until the host state is read (engine/device_update.py, "home on
+    # demand"), but for a streamed first block's masters (4 B/param), which its next backward reloads: they go
+    # home in the next forward, beside the weights coming in. Updated blocks send no gradient either.
+    first_home = 4 * min(first_on_device, first) if cached == 0 else 0
+    d2h_fwd = (inputs_b + first_home) / (link * BIDIRECTIONAL_FACTOR)
+    d2h_bwd = (grad_b * (shape.block_params - first_on_device)
                + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
     adam_rate = hw.host_adam_gparams_per_s * 1e9 * HOST_ADAM_IN_STEP * (compact_speed if run.compact else 1.0) / host_margin
