@@ -108,11 +108,12 @@ class EngineConfig:
         update_on_device: the updates the next forward waits for first run on the device, where their
             gradients are: the part before the blocks (the input embedding, a tied LM head with it; the
             device already holds an fp32 copy of its masters) and the first block (its new weights are cast
-            into its slot); the same AdamW, the same step, and their new masters and moments go home while
-            the device goes on, so the next forward no longer waits for their gradient copies, host AdamW
-            and weight copies (``engine/device_update.py``). ``True`` (or 1): those two; a number ``N`` > 1:
-            also ``N - 1`` of the cached blocks (``cache_weights``; their new weights stay in their fixed
-            slots), each taking its AdamW off the host, for a run the host AdamW bounds. Costs the part's
+            into its slot); the same AdamW, the same step, so the next forward no longer waits for their
+            gradient copies, host AdamW and weight copies. Their newer masters and moments stay on the
+            device until something reads the host state (checkpoints, validation, hooks between steps, the
+            end of fit: ``engine/device_update.py``, "home on demand"). ``True`` (or 1): those two; a number
+            ``N`` > 1: also ``N - 1`` of the cached blocks (``cache_weights``; their new weights stay in their
+            fixed slots), each taking its AdamW off the host, for a run the host AdamW bounds. Costs the part's
             Adam moments on the device, 8 B/param, and each block's fp32 masters and moments, 12 B/param,
             plus one block's fp32 gradients while it is updated (7B, ``True``: 4.4 + 3.7 GB). Applies with
             the overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'

@@ -28,3 +28,17 @@ def test_baseline_check_passes_at_the_boundary_and_refuses_past_it() -> None:
 def test_device_state_warning() -> None:
     assert device_state_warning(1_000_000_000, 80, "single_device") is None
     assert "236 GB > 141 GB" in device_state_warning(14_770_000_000, 141, "single_device")
+
+
+def test_the_plan_cli_prints_its_usage_and_one_line_for_a_bad_override(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m megatrain_lightning.plan --help`` prints how to call it (it went to Hydra's override parser, a
+    traceback, until 2026-12-04); an override Hydra cannot parse gets one line and exit 2."""
+    from megatrain_lightning.plan.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert "python -m megatrain_lightning.plan model=" in capsys.readouterr().out
+    assert main(["model=qwen2_5_3b", "data.batch_size=["]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert main(["model=qwen2_5_3b", "hardware=h200", "data.batch_size=2"]) == 0
+    assert capsys.readouterr().out.startswith("verdict: fits")

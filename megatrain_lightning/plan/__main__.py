@@ -12,6 +12,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     from ..conf_dir import config_dir
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import format_plan, plan_from_config
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip().replace("``", "`"))
+        return 0
     # An experiment's own data choice stands: a command-line data=synthetic would replace it.
     overrides = ([] if any(a.startswith(("data=", "experiment=")) for a in args) else ["data=synthetic"]) + args
     try:
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.full_key} must be set, e.g. python -m megatrain_lightning.plan {err.full_key}=...",
               file=sys.stderr)
         return 2
-    except (OmegaConfBaseException, ValueError) as err:  # a bad override: Hydra's own one-line reason
+    except (OmegaConfBaseException, HydraException, ValueError) as err:  # a bad override: Hydra's own one-line reason
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0
