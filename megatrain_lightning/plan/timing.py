@@ -21,7 +21,8 @@ from .shape import PlanShape
 # Qwen2.5-7B (hidden 3584) at 0.60 (plain HF, 16 x 2048: this model within 1.7 %, 2026-12-03 session 9) and
 # Qwen2.5-3B (hidden 2048) at 0.51 (its device-bound step with update_on_device=8, keep 33: 0.811 s against the
 # 0.680 s that 0.60 gives; recipes/results/2026-12-03-h200-session11.md). Both ran before 2026-12-03's stream-order
-# fix of the device update; after it the 3B default ran 0.870 s against 0.794 planned (session 12), not re-fit.
+# fix of the device update; after it, with the updated state kept on the device (2026-12-04), the 3B default runs
+# 0.801 s against 0.794 s planned and the 7B plain HF default 3.631 against 3.601 (session 13): not re-fit.
 MATMUL_EFFICIENCY_MAX = 0.784
 MATMUL_EFFICIENCY_HIDDEN = 1100
 
