@@ -582,11 +582,14 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._settle()  # moments the device holds ahead of the host go home before the loaded ones replace them
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
             host = self.precision_plugin.host_optimizers.get(id(optimizer))
             if host is not None:
                 host.adopt_state()  # the loaded moments move into the flat host buffers
+        if self.engine is not None:
+            self.engine.weights_changed()  # device copies of masters and moments are refreshed from the host
 
     @classmethod
     @override

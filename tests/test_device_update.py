@@ -276,3 +276,33 @@ def test_a_store_the_device_stops_updating_goes_home_before_its_host_update(cach
     on_opt, off_opt = optimizer_state(on), optimizer_state(off)
     for key, value in off_opt.items():
         assert torch.equal(on_opt[key], value), key
+
+
+def test_optimizer_state_loaded_mid_run_replaces_the_device_moments(block_updates: list[int]) -> None:
+    """A callback loads the optimizer state saved after step 1 into the run after step 3, through the strategy's
+    own entry points (as a user's rollback would): the device's newer moments go home first and are then
+    refreshed from the loaded ones, as Lightning's default strategy's moments are simply replaced."""
+    import copy
+
+    import lightning.pytorch as pl
+
+    class Rollback(pl.Callback):
+        megatrain_reads_weights = False  # it goes through the strategy's entry points, which settle themselves
+
+        def __init__(self) -> None:
+            self.saved: Any = None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            if trainer.global_step == 1:
+                self.saved = copy.deepcopy(trainer.strategy.optimizer_state(trainer.optimizers[0]))
+            if trainer.global_step == 3:
+                trainer.strategy.load_optimizer_state_dict({"optimizer_states": [self.saved]})
+
+    ref = fit(adamw("llama"), None, max_steps=6, callbacks=[Rollback()])
+    got = fit(adamw("llama"), megatrain(update_on_device=3, cache_weights=3), max_steps=6, callbacks=[Rollback()])
+    assert block_updates and set(block_updates) == {0, 1, 2}, block_updates
+    assert_parity(ref, got)
+    ref_opt, got_opt = optimizer_state(ref), optimizer_state(got)
+    assert ref_opt.keys() == got_opt.keys() and len(ref_opt) > 0
+    for key, value in ref_opt.items():
+        assert torch.allclose(got_opt[key], value, rtol=1e-5, atol=1e-8), key
