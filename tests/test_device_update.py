@@ -50,6 +50,17 @@ def optimizer_state(run: Any) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor)}
 
 
+def assert_same_training(on: Any, off: Any) -> None:
+    """Losses, final weights and optimizer state (moments and step counts, read from the host) bit for bit."""
+    assert on.losses == off.losses
+    for key, value in off.state.items():
+        assert torch.equal(on.state[key], value), key
+    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
+    assert on_opt.keys() == off_opt.keys() and len(on_opt) > 0
+    for key, value in off_opt.items():
+        assert torch.equal(on_opt[key], value), key
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # an untied head (embedding alone), a tied one
 def test_updated_on_the_device_as_under_the_default_strategy(name: str, device_updates: list[int],
                                                              block_updates: list[int]) -> None:
@@ -70,13 +81,7 @@ def test_the_same_step_bit_for_bit_as_the_host_update(name: str, cached: int, de
     assert len(device_updates) == 5 and block_updates == [0] * 5
     off = fit(adamw(name), megatrain(update_on_device=False, cache_weights=cached), max_steps=5)
     assert len(device_updates) == 5 and len(block_updates) == 5  # the second run took the host path
-    assert on.losses == off.losses
-    for key, value in off.state.items():
-        assert torch.equal(on.state[key], value), key
-    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
-    assert on_opt.keys() == off_opt.keys() and len(on_opt) > 0
-    for key, value in off_opt.items():
-        assert torch.equal(on_opt[key], value), key
+    assert_same_training(on, off)
 
 
 def test_off_by_default_where_nothing_chooses_it(device_updates: list[int], block_updates: list[int]) -> None:
@@ -171,12 +176,7 @@ def test_more_blocks_on_the_device_bit_for_bit(cached: int, want: list[int], blo
     on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=4)
     assert block_updates == want * 4, block_updates
     off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=4)
-    assert on.losses == off.losses
-    for key, value in off.state.items():
-        assert torch.equal(on.state[key], value), key
-    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
-    for key, value in off_opt.items():
-        assert torch.equal(on_opt[key], value), key
+    assert_same_training(on, off)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "2"])
@@ -240,13 +240,7 @@ def test_the_device_state_goes_home_only_when_read(block_updates: list[int]) -> 
     assert block_updates == [2, 1, 0] * 4, block_updates
     assert look.seen == [(4, False)] * 3, look.seen  # the embedding and three blocks, the host a step behind
     off = fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=4)
-    assert on.losses == off.losses
-    for key, value in off.state.items():
-        assert torch.equal(on.state[key], value), key
-    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
-    assert on_opt.keys() == off_opt.keys() and len(on_opt) > 0
-    for key, value in off_opt.items():
-        assert torch.equal(on_opt[key], value), key
+    assert_same_training(on, off)
 
 
 @pytest.mark.parametrize("cached", [0, 3])
@@ -270,12 +264,7 @@ def test_a_store_the_device_stops_updating_goes_home_before_its_host_update(cach
     on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=5, callbacks=[Switch()])
     assert len(block_updates) == 2 * (3 if cached else 1), block_updates
     off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=5)
-    assert on.losses == off.losses
-    for key, value in off.state.items():
-        assert torch.equal(on.state[key], value), key
-    on_opt, off_opt = optimizer_state(on), optimizer_state(off)
-    for key, value in off_opt.items():
-        assert torch.equal(on_opt[key], value), key
+    assert_same_training(on, off)
 
 
 def test_optimizer_state_loaded_mid_run_replaces_the_device_moments(block_updates: list[int]) -> None:
