@@ -108,8 +108,9 @@ def test_step_time_with_the_updates_on_the_device() -> None:
     """One micro-batch per step. On the host, the next forward's first block waits for its own gradients'
     copy home, its AdamW and its weights' copy back after the backward. On the device (``update_on_device``),
     the embedding's weights stay there and the first block's land in its slot, neither's gradients leave,
-    neither's AdamW is between the backward and the next forward; their masters and moments (12 B/param) go
-    home during the next forward."""
+    neither's AdamW is between the backward and the next forward; their masters and moments stay on the device
+    (home on demand) but for the streamed first block's masters (4 B/param), which go home during the next
+    forward (its backward reloads them)."""
     single = RUN.replace(accumulate=1)
     on, off = make_plan(SHAPE, single.replace(update_on_device=True), HW), make_plan(SHAPE, single, HW)
     h2d_first, d2h = 4000 / 1e9, 4000 / 0.9e9
@@ -124,10 +125,21 @@ def test_step_time_with_the_updates_on_the_device() -> None:
     assert (4 * 300 + 4 * 200) / 0.9e9 < 2400 / 0.9e9
     bwd_on = 2400 / 0.9e9
     assert on.times["backward (one micro-batch)"] == pytest.approx(bwd_on)
-    assert on.times["forward (one micro-batch)"] == pytest.approx(max(2400 / 1e9, 12 * (200 + 300) / 0.9e9))
+    assert on.times["forward (one micro-batch)"] == pytest.approx(max(2400 / 1e9, 4 * 300 / 0.9e9))
     h2d_first_on = (4 * 300 + 4 * 200) / 1e9
-    fwd_first_on = max(h2d_first_on, 12 * (200 + 300) / 0.9e9)  # the copies home beside the weights coming in
+    fwd_first_on = max(h2d_first_on, 4 * 300 / 0.9e9)  # the first block's masters home beside the weights coming in
     assert on.step_s == pytest.approx(fwd_first_on + max(bwd_on, 300 / 1e9 * shared + adam_head))
+
+
+def test_nothing_updated_on_the_device_goes_home_per_step_when_every_block_is_cached() -> None:
+    """Home on demand: with every block cached (the first one included: the cached blocks are the last ones) and
+    all updated on the device, no masters or moments cross the link in a step; with one streamed block, the first
+    block's masters do (4 B/param), never the embedding's or the moments."""
+    single = RUN.replace(accumulate=1)
+    every = make_plan(SHAPE, single.replace(cache_weights=2, update_on_device=2), HW)
+    assert every.times["device->host copies"] == pytest.approx((4 * 200) / 0.9e9)  # the untied head's gradients
+    one = make_plan(SHAPE, single.replace(cache_weights=1, update_on_device=2), HW)
+    assert one.times["device->host copies"] == pytest.approx((4 * 300 + 4 * 200) / 0.9e9)
 
 
 def test_cached_blocks_updated_on_the_device_take_their_adamw_off_the_host() -> None:
