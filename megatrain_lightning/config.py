@@ -109,9 +109,9 @@ class EngineConfig:
             gradients are: the part before the blocks (the input embedding, a tied LM head with it; the
             device already holds an fp32 copy of its masters) and the first block (its new weights are cast
             into its slot); the same AdamW, the same step, so the next forward no longer waits for their
-            gradient copies, host AdamW and weight copies. Their newer masters and moments stay on the
-            device until something reads the host state (checkpoints, validation, hooks between steps, the
-            end of fit: ``engine/device_update.py``, "home on demand"). ``True`` (or 1): those two; a number
+            gradient copies, host AdamW and weight copies. Where steps run on (``overlap_next_forward``),
+            their newer masters and moments stay on the device until something reads the host state
+            (checkpoints, validation, the end of fit: ``engine/device_update.py``, "home on demand"). ``True`` (or 1): those two; a number
             ``N`` > 1: also ``N - 1`` of the cached blocks (``cache_weights``; their new weights stay in their
             fixed slots), each taking its AdamW off the host, for a run the host AdamW bounds. Costs the part's
             Adam moments on the device, 8 B/param, and each block's fp32 masters and moments, 12 B/param,

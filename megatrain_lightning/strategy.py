@@ -423,6 +423,7 @@ class MegaTrainStrategy(ParallelStrategy):
                     host = self._overlap_target()
                     self.engine.on_grads_final = host.overlap_update() if host is not None else None
                     self.precision_plugin.defer_updates = host is not None and self._may_defer(host)
+                    self.engine.hold_updates(self.precision_plugin.defer_updates)
                 out = super().training_step(*args, **kwargs)
         except BaseException as exc:
             interrupts.release()

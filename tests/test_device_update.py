@@ -243,6 +243,26 @@ def test_the_device_state_goes_home_only_when_read(block_updates: list[int]) -> 
     assert_same_training(on, off)
 
 
+def test_a_step_whose_end_reads_the_host_state_sends_each_update_home_as_it_runs(block_updates: list[int]) -> None:
+    """A callback that may read the weights between steps (it does not say otherwise): the steps do not run on,
+    so nothing is held on the device (each update's state goes home beside the backward), bit for bit the host
+    path."""
+    import lightning.pytorch as pl
+
+    class Reads(pl.Callback):
+        def __init__(self) -> None:
+            self.behind: list[int] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+            self.behind.append(len(trainer.strategy.engine.device_update.behind))
+
+    reads = Reads()
+    on = fit(adamw("llama"), megatrain(update_on_device=3, cache_weights=3), max_steps=4, callbacks=[reads])
+    assert block_updates == [2, 1, 0] * 4 and reads.behind == [0] * 4, (block_updates, reads.behind)
+    off = fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=4)
+    assert_same_training(on, off)
+
+
 @pytest.mark.parametrize("cached", [0, 3])
 def test_a_store_the_device_stops_updating_goes_home_before_its_host_update(cached: int,
                                                                             block_updates: list[int]) -> None:

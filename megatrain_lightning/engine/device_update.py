@@ -11,19 +11,21 @@ slot, cast as a copy from the host would be). Cached blocks can be updated here 
 each takes its AdamW off the host, for runs that the host AdamW bounds; their new weights stay in their
 fixed slots.
 
-Home on demand: the device holds the newer masters and moments of what it updates (``behind``: the host's
-are a step or more older) and sends them home only when something reads the host state: the engine's
-``settle()`` (checkpoints, evaluation, hooks between steps, the end of fit), a host update of the same store
-(``home``), an aborted step. Only a streamed block's masters go home every step (its backward re-reads
-them from the host), 4 B/param; until 2026-12-04 masters and moments went home after every update, 12
-B/param on the device->host link: for GPT-OSS-20B cut to 7 layers, 47 GB per step, the step's bottleneck.
+Home on demand: in a step whose updates may run on into the next one (``hold``: nothing reads the host
+state between the steps), the device holds the newer masters and moments of what it updates (``behind``:
+the host's are a step or more older) and sends them home only when something reads the host state: the
+engine's ``settle()`` (checkpoints, evaluation, hooks between steps, the end of fit), a host update of the
+same store (``home``), an aborted step. Only a streamed block's masters go home every step (its backward
+re-reads them from the host), 4 B/param. In other steps each update's masters and moments go home as soon
+as it has run, beside the rest of the backward. Until 2026-12-04 they always did: 12 B/param on the
+device->host link, for GPT-OSS-20B cut to 7 layers 47 GB per step, the step's bottleneck.
 
 Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for a block, its
 fp32 masters (4 B/param) last; they hold what the host holds, or newer (``behind``), once refreshed, and
 are refreshed from the host whenever the masters may have changed behind the engine's back (``stale``
 after a load, a reclaim, an aborted step: each comes after ``home``). They are rewritten (the next update,
 a refresh) only after the previous copy home has read them (``landed``). The update's future completes
-once its kernels have run (the gradients are read) and, for a streamed block, its masters have landed;
+once its kernels have run (the gradients are read) and what it sends home has landed;
 it cannot be cancelled (an aborted step counts it as run). A block's fp32 gradients (4 B/param, when it
 computes in bf16) live from its backward to the update's last kernel.
 """
@@ -74,6 +76,10 @@ class DeviceUpdate:
         # id(store) -> (store, device masters, holder): the stores whose newer masters and moments are on the
         # device only (see the module's "home on demand"); emptied by ``home``
         self.behind: dict[int, tuple[Any, torch.Tensor, Any]] = {}
+        # Whether this step's updates may stay on the device (``StreamingEngine.hold_updates``): only when the
+        # step's end will not read the host state anyway. Otherwise each update's masters and moments go home
+        # as soon as it has run, overlapping the rest of the backward instead of the step's end waiting for all.
+        self.hold = False
 
     def applies(self, part: Any, grads: Sequence[torch.Tensor | None], then: Any) -> bool:
         """Whether ``part`` can be updated here: fp32 host state, every gradient dense in the masters' dtype,
@@ -156,14 +162,21 @@ class DeviceUpdate:
             holder.moments[0].copy_(ea, non_blocking=True)
             holder.moments[1].copy_(eas, non_blocking=True)
         then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
-        self.behind[id(store)] = (store, master, holder)
-        if own_master and holder.block not in self.engine.weights.slots.fixed:
-            # A streamed block: its recompute and backward in the next step load its weights from the host
-            # masters (whose update future they wait for). The moments stay behind.
+        streamed = own_master and holder.block not in self.engine.weights.slots.fixed
+        if self.hold:
+            self.behind[id(store)] = (store, master, holder)
+        else:
+            self.behind.pop(id(store), None)  # held by an earlier step: the copy below sends the newest home
+        if streamed or not self.hold:
+            # Masters home now: a streamed block's recompute and backward in the next step load its weights
+            # from the host masters (whose update future they wait for); moments too unless the step holds them.
             landed = holder.landed = self.streams.event()
-            self.streams.after_compute(d2h)  # the update has written the masters (asked outside ``on(d2h)``)
+            self.streams.after_compute(d2h)  # the update has written them (asked outside ``on(d2h)``)
             with self.streams.on(d2h):
                 store.master[:n].copy_(master, non_blocking=True)
+                if not self.hold:
+                    ea.copy_(holder.moments[0], non_blocking=True)
+                    eas.copy_(holder.moments[1], non_blocking=True)
                 landed.record(d2h)
         else:
             landed = self.streams.record_on(compute)  # the update's kernels have read the gradients

@@ -250,6 +250,11 @@ class StreamingEngine:
         self.updates.wait_all()  # raises what an update raised
         self.device_update.home()  # host sync: what the device updated is home (device_update.py)
 
+    def hold_updates(self, hold: bool) -> None:
+        """Before a step: whether its updates on the device may keep their newer state there (the step's end
+        does not read the host state: ``settle(wait=False)``), or send it home as each one runs."""
+        self.device_update.hold = hold
+
     def host_step_begins(self, claimed: set[int]) -> None:
         """The optimizer step is about to update on the host every store but ``claimed`` (updated early):
         those whose newer state is on the device go home first (host sync; only after the updates on the
