@@ -48,6 +48,32 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
     return forward
 
 
+def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any = None) -> Any:
+    """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired, and released after,
+    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone."""
+    release = weights is None
+    if weights is None:
+        weights = engine.acquire(block)
+    binding = engine.bindings[block]
+    check = block not in engine._checked
+    try:
+        with binding.bound(weights, check=check):
+            out = engine._original_forwards[block](engine.blocks[block], *args, **kwargs)
+        if check:
+            engine._checked.add(block)
+            changed = binding.mutated_buffers()
+            if changed:
+                raise RuntimeError(
+                    f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: "
+                    f"its forward changes its buffers in place ({', '.join(changed)}), and a streamed block "
+                    "runs its forward again in the backward's recompute. Make the buffers constant (e.g. "
+                    "track_running_stats=False for a norm), or stream another level with block_class=...")
+        return out
+    finally:
+        if release:
+            engine.release(block)
+
+
 def _pack(t: torch.Tensor) -> torch.Tensor:
     # Detached, as autograd saves a tensor itself: a node saving its own output (attention's, tanh's) gets the
     # output with its grad_fn here, and holding that would make a cycle through C++ that Python's garbage

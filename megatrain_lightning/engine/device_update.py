@@ -212,6 +212,16 @@ class DeviceUpdate:
             del self.behind[key]
         landed.synchronize()  # host wait: the host state is whole again
 
+    def home_after_abort(self) -> bool:
+        """An exception ended the step: what the device updated goes home (its updates count as run). False
+        where that failed (a broken device): the host state is then not one step's, and nothing is held."""
+        try:
+            self.home()
+            return True
+        except Exception:  # noqa: BLE001  (the step's own exception is the one to see)
+            self.behind = {}
+            return False
+
     def release(self) -> None:
         """The placement changes (``placement.replace``, after the engine settled): the device state of the
         updates here goes back to the device; whatever runs here next is refreshed from the host."""

@@ -28,7 +28,7 @@ from torch import nn
 from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params, placement as _placement
-from .block_call import streamed_forward
+from .block_call import run_bound, streamed_forward
 from .device_memory import StepMeter
 from .grads import GradPath, Update
 from .host_worker import HostWorker
@@ -216,11 +216,7 @@ class StreamingEngine:
         step failed): (0, 0) means the masters and moments are exactly the state before the step; anything
         else a mix of two steps (the caller refuses to save it)."""
         ran, failed = self.updates.abort_step()
-        try:
-            self.device_update.home()  # the updates that ran on the device count as run: their state goes home
-        except Exception:  # noqa: BLE001  (the step's own exception is the one to see; the state is not whole)
-            self.device_update.behind = {}
-            failed += 1
+        failed += not self.device_update.home_after_abort()  # what ran on the device counts as run: it goes home
         self.meter.restart()
         self.grads.abort()
         for store in self.all_stores():
@@ -310,27 +306,7 @@ class StreamingEngine:
 
     def run_forward(self, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor] | None = None) -> Any:
         """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired if None)."""
-        release = weights is None
-        if weights is None:
-            weights = self.acquire(block)
-        binding = self.bindings[block]
-        check = block not in self._checked  # the first call, the forward: before any update ran
-        try:
-            with binding.bound(weights, check=check):
-                out = self._original_forwards[block](self.blocks[block], *args, **kwargs)
-            if check:
-                self._checked.add(block)
-                changed = binding.mutated_buffers()
-                if changed:
-                    raise RuntimeError(
-                        f"MegaTrainStrategy cannot train block {block} ({type(self.blocks[block]).__name__}) exactly: "
-                        f"its forward changes its buffers in place ({', '.join(changed)}), and a streamed block "
-                        "runs its forward again in the backward's recompute. Make the buffers constant (e.g. "
-                        "track_running_stats=False for a norm), or stream another level with block_class=...")
-            return out
-        finally:
-            if release:
-                self.release(block)
+        return run_bound(self, block, args, kwargs, weights)
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]:
         """Read at each call (toggle_optimizer, unfreezing): which of the block's weights get gradients."""
