@@ -60,14 +60,28 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
 
 
+# Every block and the embedding updated on the device, their newer state held there between the clean steps
+# (engine/device_update.py, "home on demand"): an exception must send it home before anything is saved
+ON_DEVICE = dict(update_on_device=3, cache_weights=3)
+
+
+def _references(**options: Any) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name, steps in (("pre", STEP), ("post", STEP + 1)):
+        run = fit(FACTORY, megatrain(**options), max_steps=steps)
+        out[name] = _state(run.module, run.trainer)
+    return out
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, torch.Tensor]]:
     """The uninterrupted run's state before and after the faulted step."""
-    out = {}
-    for name, steps in (("pre", STEP), ("post", STEP + 1)):
-        run = fit(FACTORY, megatrain(), max_steps=steps)
-        out[name] = _state(run.module, run.trainer)
-    return out
+    return _references()
+
+
+@pytest.fixture(scope="module")
+def references_on_device() -> dict[str, dict[str, torch.Tensor]]:
+    return _references(**ON_DEVICE)
 
 
 class Fault(Exception):
@@ -138,21 +152,45 @@ POINTS = [("block forward", n) for n in (1, 3)] + [("block backward", n) for n i
 def test_an_exception_leaves_the_state_before_or_after_the_step_or_refuses_to_save(
     where: str, nth: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict
 ) -> None:
+    _fault_and_check(where, nth, tmp_path, monkeypatch, references, OUTCOMES)
+
+
+ON_DEVICE_OUTCOMES: list[tuple[str, int, str]] = []
+ON_DEVICE_POINTS = POINTS[:-1]  # one host update per step is left (the untied head's)
+
+
+@pytest.mark.parametrize(("where", "nth"), ON_DEVICE_POINTS, ids=[f"{w}-{n}" for w, n in ON_DEVICE_POINTS])
+def test_the_same_with_the_updates_on_the_device(where: str, nth: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  references_on_device: dict) -> None:
+    _fault_and_check(where, nth, tmp_path, monkeypatch, references_on_device, ON_DEVICE_OUTCOMES, **ON_DEVICE)
+
+
+def test_with_the_updates_on_the_device_a_fault_before_them_saves_the_state_before_the_step() -> None:
+    """The state the device held from the clean steps went home with the exception: a fault in the forward
+    saves exactly the state before the step."""
+    seen = {(w, n): o for w, n, o in ON_DEVICE_OUTCOMES}
+    assert len(seen) == len(ON_DEVICE_POINTS), ON_DEVICE_OUTCOMES
+    assert seen[("block forward", 1)] == seen[("block forward", 3)] == "pre", ON_DEVICE_OUTCOMES
+
+
+def _fault_and_check(where: str, nth: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict,
+                     outcomes: list, **options: Any) -> None:
     _inject(monkeypatch, where, nth)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, save_last=False, every_n_train_steps=0,
                            save_top_k=0)
     with pytest.raises((Fault, CheckpointError)) as err:
-        fit(FACTORY, megatrain(), max_steps=STEP + 2, callbacks=[_inject.counter, ckpt], enable_checkpointing=True)
+        fit(FACTORY, megatrain(**options), max_steps=STEP + 2, callbacks=[_inject.counter, ckpt],
+            enable_checkpointing=True)
     saved = sorted(p for p in tmp_path.iterdir() if not p.name.startswith("."))
     strategy_refused = isinstance(err.value, CheckpointError) or isinstance(err.value.__context__, CheckpointError)
     if strategy_refused:
         assert "refuses to save" in str(err.value if isinstance(err.value, CheckpointError) else err.value.__context__)
         assert not saved, "a checkpoint of a torn step was written"
-        OUTCOMES.append((where, nth, "refused"))
+        outcomes.append((where, nth, "refused"))
         return
     assert len(saved) == 1, saved
     got = _checkpoint_state(saved[0])
-    OUTCOMES.append((where, nth, "pre" if _same(got, references["pre"]) else "post"))
+    outcomes.append((where, nth, "pre" if _same(got, references["pre"]) else "post"))
     diff = {n: [k for k in got if not torch.equal(got[k], references[n][k].to(got[k].dtype))] for n in ("pre", "post")}
     assert _same(got, references["pre"]) or _same(got, references["post"]), f"the checkpoint mixes two steps: {diff}"
 
