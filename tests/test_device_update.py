@@ -315,3 +315,17 @@ def test_optimizer_state_loaded_mid_run_replaces_the_device_moments(block_update
     assert ref_opt.keys() == got_opt.keys() and len(ref_opt) > 0
     for key, value in ref_opt.items():
         assert torch.allclose(got_opt[key], value, rtol=1e-5, atol=1e-8), key
+
+
+def test_validation_between_steps_sees_the_state_the_device_holds() -> None:
+    """Validation every 2 steps: the state held on the device goes home first, the validation losses are the
+    default strategy's, and training goes on exactly as the host path's."""
+    factory = adamw("llama", n_val=8)
+    kwargs = dict(max_steps=6, limit_val_batches=2, val_check_interval=2)
+    ref = fit(factory, None, **kwargs)
+    on = fit(factory, megatrain(update_on_device=3, cache_weights=3), **kwargs)
+    off = fit(factory, megatrain(update_on_device=False, cache_weights=3), **kwargs)
+    assert len(ref.module.val_losses) == 6 and on.module.val_losses == off.module.val_losses
+    compare_losses(ref.module.val_losses, on.module.val_losses, 1e-5, "validation loss")
+    assert_same_training(on, off)
+    assert_parity(ref, on)
