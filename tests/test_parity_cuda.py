@@ -18,7 +18,7 @@
     within 1% of the fp32 host state's.
 (g) kept blocks saving only matmul outputs: less device memory, the same training.
 (h) what the device updates (update_on_device=4, cache 3) stays there between steps; a checkpoint at step 7 sends
-    it home, and the run resumed from it ends where the uninterrupted one does.
+    it home, and the run resumed from it trains as the default strategy resumed from its own step-7 checkpoint.
 """
 
 from __future__ import annotations
@@ -365,9 +365,6 @@ def test_cuda_kept_blocks_saving_matmuls_use_less_memory_and_train_the_same() ->
           f"{mm_b / gib:.3f} GiB saving matmul outputs ({mm_b / all_b:.2f}x); worst loss rel diff {worst:.2e}")
     assert mm_b < 0.8 * all_b
     assert worst < 1e-2  # bf16: recomputed elementwise ops may round differently from the first pass
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
