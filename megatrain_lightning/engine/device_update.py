@@ -145,10 +145,11 @@ class DeviceUpdate:
 
     def _update(self, store: Any, master: torch.Tensor, holder: Any, grads: list[torch.Tensor | None], then: Any,
                 priority: int, own_master: bool = False) -> Future:
-        """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream), then the copy
-        of both home (device->host stream); the future completes when it has landed. ``own_master``: the
-        device masters are the holder's own (a block's), refreshed from the host with the moments (a
-        resident part's are its device copy, refreshed by ``ResidentParts.ensure``)."""
+        """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream); then, unless
+        the step holds them (``hold``), the copy of both home (device->host stream), and a streamed block's
+        masters in any case; the future completes once what goes home has landed (else once the update's
+        kernels have run). ``own_master``: the device masters are the holder's own (a block's), refreshed from
+        the host with the moments (a resident part's are its device copy, refreshed by ``ResidentParts.ensure``)."""
         n = store.train_numel
         compute, d2h = self.streams.compute(), self.streams.d2h
         ea, eas = store.moment_buffers()  # pinned (``_can``)
