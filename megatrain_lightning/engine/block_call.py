@@ -55,12 +55,12 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
     if weights is None:
         weights = engine.acquire(block)
     binding = engine.bindings[block]
-    check = block not in engine._checked
+    check = block not in engine.checked_blocks
     try:
         with binding.bound(weights, check=check):
-            out = engine._original_forwards[block](engine.blocks[block], *args, **kwargs)
+            out = engine.original_forwards[block](engine.blocks[block], *args, **kwargs)
         if check:
-            engine._checked.add(block)
+            engine.checked_blocks.add(block)
             changed = binding.mutated_buffers()
             if changed:
                 raise RuntimeError(

@@ -193,6 +193,8 @@ class DeviceUpdate:
         all of them, or all but the stores whose ids are in ``keep`` (updated here this step), or ``only``
         that store. Every reader or host writer of those stores' masters and moments calls it first
         (``StreamingEngine.settle``, a host update of such a store)."""
+        if not self.behind or (only is not None and id(only) not in self.behind):
+            return  # the common case, every store's every step: nothing held, or not this store
         keep = keep or set()
         todo = [(k, v) for k, v in self.behind.items()
                 if k not in keep and (only is None or k == id(only))]

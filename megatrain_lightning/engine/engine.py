@@ -132,9 +132,9 @@ class StreamingEngine:
         self.on_grads_final: Update | None = None  # per micro-batch, by the caller: a store's update
 
         self._anchor_t: torch.Tensor | None = None
-        self._checked: set[int] = set()  # blocks whose first forward was checked for buffer updates
+        self.checked_blocks: set[int] = set()  # blocks whose first forward was checked for buffer updates
         self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
-        self._original_forwards: dict[int, Callable[..., Any]] = {}
+        self.original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
             block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
 
@@ -288,7 +288,7 @@ class StreamingEngine:
     # ------------------------------------------------------------------ blocks (BlockRunner)
     def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
         original = type(block).forward
-        self._original_forwards[index] = original
+        self.original_forwards[index] = original
         return streamed_forward(self, index, block, original)
 
     def anchor(self) -> torch.Tensor:
@@ -336,8 +336,6 @@ class StreamingEngine:
         if self.device_update.applies_block(block, grads, then):  # see device_update.device_blocks
             self.updates.add(block, self.stores[block], self.device_update.run_block(block, grads, then))
         else:
-            if then is not None:
-                self.device_update.home(only=self.stores[block])  # its host update reads the host state
             self._send(block, self.stores[block], grads, then, block)
         self.outside.sent.add(block)
         self.stats.bump(self.stats.d2h, block)
@@ -362,6 +360,8 @@ class StreamingEngine:
 
     def _send(self, key: int, store: FlatStore, grads: Sequence[torch.Tensor | None], then: Update | None,
               priority: int) -> None:
+        if then is not None:
+            self.device_update.home(only=store)  # held on the device by an earlier step: its host update reads it
         # The worker runs jobs in the next forward's order: blocks by index, the resident parts around them.
         fut = self.grads.send(store, grads, then, priority=priority, owner=self.owns(key))
         if fut is not None:

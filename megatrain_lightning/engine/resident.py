@@ -250,8 +250,6 @@ class ResidentParts:
         if part is self.before and self.device_update is not None and self.device_update.applies(part, grads, then):
             self.updates.add(part.key, store, self.device_update.run(part, grads, then, part.priority))
         elif any(g is not None for g in grads):
-            if then is not None and self.device_update is not None:
-                self.device_update.home(only=store)  # its host update reads the host state
             self.send(part.key, store, grads, then, part.priority)
             self.stats.bump(self.stats.d2h, part.key)
 
