@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .config import PLACEMENT_FIELDS, EngineConfig
+from .engine.compiled import COMPILED_MATMULS_RATIO
 from .engine.device_update import device_moment_bytes
 from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio
 from .plan.memory import GB
@@ -141,7 +142,9 @@ class AutoPlacement:
         m = Measured(peak=float(step.peak), kept_graph=float(step.kept_graph), block_weights=float(weights),
                      budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks), device_moments=self._moments(1),
                      device_block_moments=self._moments(2) - self._moments(1),
-                     matmuls_ratio=matmuls_ratio(self.shape) if self.shape is not None else None)
+                     matmuls_ratio=None if self.shape is None else
+                     COMPILED_MATMULS_RATIO if engine.compiled.enabled and not engine.compiled.eager
+                     else matmuls_ratio(self.shape))
         self.measured = m
         predicted = None
         if self.shape is not None and step.tokens:

@@ -43,7 +43,7 @@ from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
     check_supported, experts_hint, host_memory_refusal, in_place_expert_bias, leaves_weights_alone,
-    module_hooks_touch_weights, refuse_running_statistics, writers_between_steps,
+    module_hooks_touch_weights, refuse_running_statistics, unseen_in_place_kernels, writers_between_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,10 @@ class MegaTrainStrategy(ParallelStrategy):
         if hint is not None:
             rank_zero_info(hint)
         self._keep_whole_activations_for(in_place_expert_bias(module))
+        liger = unseen_in_place_kernels(module)
+        self._keep_whole_activations_for(liger, liger=True)
+        if liger is not None and self.config.compile_blocks is None:  # its kernels are fused already
+            self.config = dataclasses.replace(self.config, compile_blocks=False)
         named_blocks = find_blocks(module, self.block_class)
         blocks = [m for _, m in named_blocks]
         refuse_running_statistics(named_blocks)
@@ -314,20 +318,29 @@ class MegaTrainStrategy(ParallelStrategy):
         if refusal is not None:
             raise ConfigError(refusal)
 
-    def _keep_whole_activations_for(self, experts: str | None) -> None:
-        """Experts that add their bias in place (``in_place_expert_bias``) cannot have kept blocks save matmul
-        outputs only: refused where asked for; where the placement is chosen, kept blocks keep all they save."""
-        if experts is None or self.config.kept_saves == "all" or self.config.keep_activations == 0:
+    def _keep_whole_activations_for(self, parts: str | None, liger: bool = False) -> None:
+        """Code that changes matmul outputs in place (``in_place_expert_bias``; with ``liger``, Liger Kernel's
+        fused kernels: ``unseen_in_place_kernels``) cannot have kept blocks save matmul outputs only: refused
+        where asked for; where the placement is chosen, kept blocks keep all they save."""
+        if parts is None or self.config.kept_saves == "all" or self.config.keep_activations == 0:
             return  # nothing kept saves matmul outputs
-        fix = ("set experts_implementation='grouped_mm_gather' (import megatrain_lightning.models; "
-               "model.set_experts_implementation('grouped_mm_gather'): the same function, its bias added out of place)")
+        if liger:
+            what = ("write into matmul outputs and saved tensors in place, unseen by autograd, so torch's selective "
+                    "recompute would give wrong gradients (1.44 relative on a 7B layer)")
+            fix = ("leave the block's elementwise kernels to the strategy (compile_blocks: torch.compile fuses the same "
+                   "norms, rotary embedding and SwiGLU) and apply Liger for its fused linear cross-entropy only "
+                   "(rope=False, rms_norm=False, swiglu=False)")
+        else:
+            what = ("(transformers' grouped_mm experts with biases) then changes in place, which torch's selective "
+                    "recompute refuses at the first backward")
+            fix = ("set experts_implementation='grouped_mm_gather' (import megatrain_lightning.models; model."
+                   "set_experts_implementation('grouped_mm_gather'): the same function, its bias added out of place)")
         if self.config.kept_saves == "matmuls":
-            raise ConfigError(f"kept_saves='matmuls' saves matmul outputs that {experts} (transformers' grouped_mm "
-                              f"experts with biases) then changes in place, which torch's selective recompute refuses "
-                              f"at the first backward: {fix}, or kept_saves='all'")
+            raise ConfigError(f"kept_saves='matmuls' saves matmul outputs that {parts} {what}: {fix}, or "
+                              "kept_saves='all'")
         self.config = dataclasses.replace(self.config, kept_saves="all")
-        rank_zero_info(f"kept_saves='all': {experts} adds its bias into its matmul outputs in place, so kept blocks "
-                       f"cannot save matmul outputs only; to let the strategy choose, {fix}")
+        rank_zero_info(f"kept_saves='all': {parts} {what}, so kept blocks cannot save matmul outputs only; to let "
+                       f"the strategy choose, {fix}")
 
     def _tidy_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """What a hard kill of an earlier run left in the ModelCheckpoint directories (hidden temporary

@@ -91,6 +91,10 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_config(_config(args.model), attn_implementation="sdpa")
+            if args.liger:  # what a user who wants Liger's kernels writes in their own module
+                from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+                _apply_liger_kernel_to_instance(model=self.model)
             if mode == "all-on-gpu":
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -169,6 +173,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "megatrain-set"], choices=MODES)
     ap.add_argument("--engine", nargs="*", default=[], help="EngineConfig fields key=value for megatrain-set")
+    ap.add_argument("--liger", action="store_true",
+                    help="the module applies Liger Kernel to its model (fused norm, SwiGLU, rotary, linear cross-entropy)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per mode")
     ap.add_argument("--out", default=None, help="rows appended to OUT.csv / OUT.md (recipes/bench.py's columns)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -192,6 +198,8 @@ def main() -> int:
         row = json.loads(line[4:]) if line else dict(mode=mode, model=args.model)
         if mode == "megatrain-set":
             row["mode"] = "megatrain " + " ".join(args.engine)  # what was set, not "default"
+        if args.liger:
+            row["mode"] += " (module with Liger Kernel)"
         row["status"] = status
         if status != "ok":
             failed = True
@@ -209,13 +217,13 @@ def main() -> int:
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
         import transformers
 
-        for r in rows:
+        for r, mode in zip(rows, args.modes):
             r.update(date=str(datetime.date.today()), strategy=r["mode"], params=None,
                      machine=f"{machine}: {gpu}, torch {torch.__version__}, transformers {transformers.__version__}",
                      command=f"python recipes/defaults_vs_baselines.py --model {args.model} --micro-batch "
-                             f"{args.micro_batch} --seq-len {args.seq_len} --accumulate {args.accumulate} --modes "
-                             + ("megatrain-set --engine " + " ".join(args.engine) if r["mode"].startswith("megatrain ")
-                                else r["mode"]))
+                             f"{args.micro_batch} --seq-len {args.seq_len} --accumulate {args.accumulate} "
+                             + ("--liger " if args.liger else "") + "--modes "
+                             + ("megatrain-set --engine " + " ".join(args.engine) if mode == "megatrain-set" else mode))
         append(rows, Path(args.out))
     return 1 if failed else 0
 

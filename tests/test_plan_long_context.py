@@ -76,7 +76,7 @@ def test_chunked_loss_keeps_the_hidden_states() -> None:
 def test_step_time_counts_the_chunk_recompute_and_the_offload_copies() -> None:
     base = step_times(SHAPE, RUN, HW)
     chunked = step_times(SHAPE, RUN.replace(mlp_chunk_tokens=16), HW)
-    rate = matmul_efficiency(SHAPE.hidden) * 1e12
+    rate = matmul_efficiency(SHAPE.hidden, RUN.compiled()) * 1e12
     assert chunked["device compute"] - base["device compute"] == pytest.approx(64 * 2 * 800 / rate)
     off = step_times(SHAPE, RUN.replace(offload_inputs=True), HW)
     inputs = 4 * 64 * 8 * 4 / (1e9 * 49.5 / 55)  # every saved input out in the forward, back in the backward

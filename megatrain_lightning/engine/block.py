@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
-from .selective import run_saving_matmuls
+from .selective import saving_matmuls
 
 
 class BlockRunner(Protocol):
@@ -44,7 +44,10 @@ class BlockRunner(Protocol):
 
     def backward_starts(self, block: int) -> None: ...
 
-    def run_forward(self, block: int, args: tuple, kwargs: dict) -> Any: ...
+    def run_forward(self, block: int, args: tuple, kwargs: dict, matmuls_only: bool = False,
+                    eager: bool = False) -> Any: ...
+
+    def compiles(self, block: int, matmuls_only: bool = False) -> bool: ...
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
 
@@ -121,23 +124,25 @@ class StreamedBlock(torch.autograd.Function):
             weights = runner.acquire(block)
             leaves = _leaf_weights(weights, runner.requires_grad_flags(block))
             with torch.enable_grad():
-                if runner.saves_matmuls_only(block):
+                if runner.saves_matmuls_only(block) and not runner.compiles(block, matmuls_only=True):
                     # the weights stay in the block's fixed slot until its backward: the recompute reads them
                     calls = []
 
                     def run(*ins: torch.Tensor) -> Any:
                         a, kw = spec.rebuild(ins)
+                        # eager both times: the selective recompute must run the very ops it saved from
                         if calls:  # the selective recompute, in the backward: it records nothing
                             with side_outputs.silenced():
-                                return runner.run_forward(block, a, kw, weights=leaves)
+                                return runner.run_forward(block, a, kw, weights=leaves, eager=True)
                         calls.append(True)
-                        return runner.run_forward(block, a, kw, weights=leaves)
+                        return runner.run_forward(block, a, kw, weights=leaves, eager=True)
 
-                    out, recorded, side = side_outputs.capture(lambda: run_saving_matmuls(run, *inputs))
-                else:
+                    out, recorded, side = side_outputs.capture(lambda: saving_matmuls(run, *inputs))
+                else:  # every activation kept, or a compiled graph saving matmul outputs (compiled.py)
                     args, kwargs = spec.rebuild(inputs)
+                    matmuls_only = runner.saves_matmuls_only(block)
                     out, recorded, side = side_outputs.capture(
-                        lambda: runner.run_forward(block, args, kwargs, weights=leaves))
+                        lambda: runner.run_forward(block, args, kwargs, weights=leaves, matmuls_only=matmuls_only))
             runner.release(block)
         else:
             ctx.recompute = RecomputeState(runner.device)

@@ -48,17 +48,24 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
     return forward
 
 
-def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any = None) -> Any:
+def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any = None,
+              matmuls_only: bool = False, eager: bool = False) -> Any:
     """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired, and released after,
-    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone."""
+    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone.
+    Compiled where ``engine.compiled`` runs it (``compiled.py``) unless ``eager``; ``matmuls_only`` (compiled
+    calls only): the compiled graph saves matmul and attention outputs only."""
     release = weights is None
     if weights is None:
         weights = engine.acquire(block)
     binding = engine.bindings[block]
     check = block not in engine.checked_blocks
+    original = engine.original_forwards[block]
     try:
         with binding.bound(weights, check=check):
-            out = engine.original_forwards[block](engine.blocks[block], *args, **kwargs)
+            if not eager and engine.compiled.runs(block, original, matmuls_only):
+                out = engine.compiled.call(original, engine.blocks[block], args, kwargs, matmuls_only)
+            else:
+                out = original(engine.blocks[block], *args, **kwargs)
         if check:
             engine.checked_blocks.add(block)
             changed = binding.mutated_buffers()

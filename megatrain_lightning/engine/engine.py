@@ -29,6 +29,7 @@ from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params, placement as _placement
 from .block_call import run_bound, streamed_forward
+from .compiled import CompiledBlocks, compiles_by_default, has_experts
 from .device_memory import StepMeter
 from .grads import GradPath, Update
 from .host_worker import HostWorker
@@ -133,10 +134,14 @@ class StreamingEngine:
 
         self._anchor_t: torch.Tensor | None = None
         self.checked_blocks: set[int] = set()  # blocks whose first forward was checked for buffer updates
+        auto = config.compile_blocks is None  # dense blocks on CUDA under mixed precision (compiled.py)
+        self.compiled = CompiledBlocks(compiles_by_default(self.device, compute_dtype) if auto else config.compile_blocks,
+                                       self.checked_blocks, {i for i, b in enumerate(blocks) if auto and has_experts(b)})
         self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
         self.original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
-            block.forward = self._make_forward(i, block)  # type: ignore[method-assign]
+            self.original_forwards[i] = type(block).forward
+            block.forward = streamed_forward(self, i, block, type(block).forward)  # type: ignore[method-assign]
 
     def place(self, config: EngineConfig) -> None:
         """Between steps, the placement fields of ``config`` from now on (``placement.replace``: a sync point)."""
@@ -286,11 +291,6 @@ class StreamingEngine:
         self.resident.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ blocks (BlockRunner)
-    def _make_forward(self, index: int, block: nn.Module) -> Callable[..., Any]:
-        original = type(block).forward
-        self.original_forwards[index] = original
-        return streamed_forward(self, index, block, original)
-
     def anchor(self) -> torch.Tensor:
         """A scalar that requires grad, input of every StreamedBlock: its backward runs even when no
         other input of the block needs a gradient."""
@@ -304,9 +304,14 @@ class StreamingEngine:
     def release(self, block: int) -> None:
         self.weights.release(block)
 
-    def run_forward(self, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor] | None = None) -> Any:
+    def run_forward(self, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor] | None = None,
+                    matmuls_only: bool = False, eager: bool = False) -> Any:
         """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired if None)."""
-        return run_bound(self, block, args, kwargs, weights)
+        return run_bound(self, block, args, kwargs, weights, matmuls_only, eager)
+
+    def compiles(self, block: int, matmuls_only: bool = False) -> bool:
+        """Whether ``block``'s next call runs compiled (``compiled.py``)."""
+        return self.compiled.runs(block, self.original_forwards[block], matmuls_only)
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]:
         """Read at each call (toggle_optimizer, unfreezing): which of the block's weights get gradients."""

@@ -37,11 +37,13 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_saving_matmuls(fn: Callable[..., Any], *inputs: Any) -> Any:
-    """``fn(*inputs)`` with grad, saving only matmul and attention outputs (and ``inputs``) for the backward.
+def saving_matmuls(fn: Callable[..., Any], *inputs: Any, **kwargs: Any) -> Any:
+    """``fn(*inputs, **kwargs)`` with grad, saving only matmul and attention outputs (and ``inputs``) for the
+    backward.
 
     The RNG state is restored for the recompute (dropout masks match) and so is autocast. Tensors ``fn``
-    closes over (the block's weights) must keep their values until the backward has run.
+    closes over (the block's weights) must keep their values until the backward has run. Eager, the
+    backward calls ``fn`` again; under ``torch.compile`` (``compiled.py``) the compiled backward recomputes.
     """
     return checkpoint(
         fn,
@@ -49,4 +51,5 @@ def run_saving_matmuls(fn: Callable[..., Any], *inputs: Any) -> Any:
         use_reentrant=False,
         context_fn=partial(create_selective_checkpoint_contexts, _policy),
         preserve_rng_state=True,
+        **kwargs,
     )

@@ -106,6 +106,12 @@ def _split_new(collector: dict, before: dict[str, int], take: bool) -> tuple[dic
     return entries, tensors
 
 
+def recording() -> bool:
+    """Whether a collector is active and records something (router logits, attentions)."""
+    var = _collector_var()
+    return bool(var.get()) if var is not None else False
+
+
 def capture(run: Callable[[], Any]) -> tuple[Any, Recorded | None, list[torch.Tensor]]:
     """``run()`` (a block's forward), and what its submodules recorded, taken out of the active collector.
 

@@ -23,6 +23,7 @@ def verdict(plan: Plan) -> str:
 def format_plan(plan: Plan) -> str:
     """The short table the planner prints."""
     s, w, e = plan.shape, plan.run.work, plan.run.engine
+    compiled = plan.run.compiled(moe=s.routed_rows > 0)
     n = s.total_params
     lines = [
         verdict(plan),
@@ -58,7 +59,8 @@ def format_plan(plan: Plan) -> str:
     lines += [
         f"  bottleneck: {plan.bottleneck}; {plan.tokens_per_s:,.0f} tokens/s, "
         f"{s.model_flops_per_token(w.seq_len) * plan.tokens_per_s / 1e12:,.0f} model TFLOPS "
-        f"(blocks at {matmul_efficiency(s.hidden):.0%} of {plan.hardware}'s bf16 peak)",
+        f"(blocks at {matmul_efficiency(s.hidden, compiled):.0%} of {plan.hardware}'s bf16 peak"
+        + (", compiled)" if compiled else ")"),
         "",
         f"largest micro-batch at seq {w.seq_len}: {plan.max_micro_batch}; "
         f"largest seq len at micro-batch {w.micro_batch}: {plan.max_seq_len}",

@@ -25,10 +25,20 @@ from .shape import PlanShape
 # 0.801 s against 0.794 s planned and the 7B plain HF default 3.631 against 3.601 (session 13): not re-fit.
 MATMUL_EFFICIENCY_MAX = 0.784
 MATMUL_EFFICIENCY_HIDDEN = 1100
+# The same with the blocks compiled (``compile_blocks``: inductor fuses the elementwise work, so less of it is
+# left beside the matmuls), fit the same way on the two whole-model H200 runs of 2026-12-04 with everything
+# chosen by the strategy (recipes/results/2026-12-04-h200-session14.md): Qwen2.5-3B plain HF, 8 x 2048, 0.647 s
+# against the 0.787 s the eager rate gives (0.62 at 2048), and the Qwen2.5-7B CausalLM, 16 x 2048, 2.772 s
+# against 3.248 s (0.70 at 3584).
+COMPILED_EFFICIENCY_MAX = 0.856
+COMPILED_EFFICIENCY_HIDDEN = 780
 
 
-def matmul_efficiency(hidden: int) -> float:
-    """The fraction of the bf16 peak a dense block of this hidden size computes at (0.60 at 3584, 0.51 at 2048)."""
+def matmul_efficiency(hidden: int, compiled: bool = False) -> float:
+    """The fraction of the bf16 peak a dense block of this hidden size computes at (0.60 at 3584, 0.51 at 2048;
+    compiled: 0.70 and 0.62)."""
+    if compiled:
+        return COMPILED_EFFICIENCY_MAX / (1 + COMPILED_EFFICIENCY_HIDDEN / max(hidden, 1))
     return MATMUL_EFFICIENCY_MAX / (1 + MATMUL_EFFICIENCY_HIDDEN / max(hidden, 1))
 
 
@@ -99,7 +109,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     """
     w, e = run.work, run.engine
     tokens = w.tokens
-    rate = matmul_efficiency(shape.hidden) * hw.peak_bf16_tflops * 1e12
+    rate = matmul_efficiency(shape.hidden, run.compiled(moe=shape.routed_rows > 0)) * hw.peak_bf16_tflops * 1e12
     attn_rate = ATTENTION_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
     chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens

@@ -1,0 +1,132 @@
+"""Compiled blocks and Liger Kernel on the GPU (skipped without CUDA; Liger's cases without liger_kernel).
+
+    python -m pytest -q -s tests/test_compiled_blocks_cuda.py     # -s shows the printed figures
+
+(a) fp32, TF32 off, ``compile_blocks=True`` with 2 of 6 blocks kept saving matmul outputs and the rest recomputed:
+    every loss of 20 steps within 1e-4 of Lightning's default strategy, every weight within 1e-3 (as the eager
+    path's bar, tests/test_parity_cuda.py (a)); the compiled functions really ran.
+(b) bf16-mixed: the default (compiled under mixed precision) against ``compile_blocks=False``, 30 steps of a
+    ~100M-parameter Llama: the mean of the last 10 losses within 1%.
+(c) a plain Hugging Face Qwen2 with Liger Kernel applied by the module (``_apply_liger_kernel_to_instance``):
+    ``kept_saves="matmuls"`` set by hand is refused by name; left open, kept blocks keep every activation, nothing
+    is compiled, and bf16 training follows Lightning's default strategy on the same Liger module (last-10 mean
+    within 1%).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, rel_diff
+from megatrain_lightning.config import STREAMING
+from megatrain_lightning.engine.compiled import CompiledBlocks
+from megatrain_lightning.errors import ConfigError
+from test_parity_cuda import CUDA, _fp32_factory, _free_cuda, no_tf32  # noqa: F401 (a fixture)
+from zoo import LlamaLM
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    calls: list[bool] = []
+    call = CompiledBlocks.call
+
+    def counted(self: CompiledBlocks, *args: Any, **kwargs: Any) -> Any:
+        calls.append(True)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledBlocks, "call", counted)
+    return calls
+
+
+def test_cuda_compiled_blocks_fp32_parity(no_tf32: None, compiled_calls: list[bool]) -> None:  # noqa: F811 (the fixture)
+    factory = _fp32_factory()
+    ref = fit(factory, None, max_steps=20, precision="32-true", **CUDA)
+    got = fit(factory, megatrain(**{**STREAMING, "slots": 3, "keep_activations": 2, "kept_saves": "matmuls",
+                                    "compile_blocks": True}), max_steps=20, precision="32-true", **CUDA)
+    assert_is_megatrain(got)
+    worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
+    worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
+    print(f"\n(a) compiled, fp32 TF32-off, keep 2 (matmuls) of 6, 20 steps: worst loss rel diff {worst_loss:.2e}, "
+          f"worst param {worst_param:.2e}; {len(compiled_calls)} compiled block calls")
+    assert len(compiled_calls) > 0
+    compare_losses(ref.losses, got.losses, rtol=1e-4)
+    compare_states(ref.state, got.state, rtol=1e-3)
+
+
+def _llama_100m(steps: int) -> Any:
+    return partial(LlamaLM, hidden_size=768, num_layers=12, intermediate_size=2048, num_heads=12, vocab_size=8192,
+                   task="pattern", period=16, alphabet=256, seq_len=256, batch_size=8, n_train=8 * steps, lr=1e-3,
+                   weight_decay=0.1, warmup_steps=5, schedule_steps=steps)
+
+
+def _last10(losses: list[float]) -> float:
+    return sum(losses[-10:]) / 10
+
+
+def test_cuda_compiled_blocks_bf16_train_like_eager(compiled_calls: list[bool]) -> None:
+    steps = 30
+    placement = {**STREAMING, "keep_activations": 4, "kept_saves": "matmuls"}
+    eager = fit(_llama_100m(steps), megatrain(**placement, compile_blocks=False), max_steps=steps,
+                precision="bf16-mixed", **CUDA)
+    assert not compiled_calls
+    _free_cuda()
+    got = fit(_llama_100m(steps), megatrain(**placement), max_steps=steps, precision="bf16-mixed", **CUDA)
+    diff = abs(_last10(got.losses) - _last10(eager.losses)) / _last10(eager.losses)
+    print(f"\n(b) bf16, 12x768 Llama, keep 4 (matmuls), {steps} steps: last-10 mean eager {_last10(eager.losses):.4f}, "
+          f"compiled (the default) {_last10(got.losses):.4f} ({100 * diff:.3f}%); {len(compiled_calls)} compiled calls")
+    assert compiled_calls
+    assert _last10(got.losses) <= 0.7 * got.losses[0]
+    assert diff <= 0.01
+
+
+class LigerQwen(LlamaLM):
+    """A plain Hugging Face Qwen2 whose module applies Liger Kernel to itself, as a Liger user writes it."""
+
+    def build_model(self) -> torch.nn.Module:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        hp = self.hparams
+        config = Qwen2Config(hidden_size=hp.hidden_size, intermediate_size=hp.intermediate_size,
+                             num_hidden_layers=hp.num_layers, num_attention_heads=hp.num_heads, num_key_value_heads=2,
+                             vocab_size=hp.vocab_size, use_cache=False, tie_word_embeddings=False,
+                             attn_implementation="sdpa")
+        model = Qwen2ForCausalLM(config)
+        _apply_liger_kernel_to_instance(model=model)
+        return model
+
+
+def test_cuda_liger_kernel_keeps_whole_activations(compiled_calls: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("liger_kernel")
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):  # Liger patches transformers' module itself
+        monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
+    steps = 30
+    factory = partial(LigerQwen, hidden_size=512, num_layers=6, intermediate_size=1376, num_heads=8, vocab_size=8192,
+                      task="pattern", period=16, alphabet=256, seq_len=256, batch_size=8, n_train=8 * steps, lr=1e-3,
+                      warmup_steps=5, schedule_steps=steps)
+    with pytest.raises(ConfigError, match="LigerSwiGLUMLP|Liger Kernel.*kept_saves='all'"):
+        fit(factory, megatrain(**{**STREAMING, "keep_activations": 2, "kept_saves": "matmuls"}), max_steps=1,
+            precision="bf16-mixed", **CUDA)
+    _free_cuda()
+    ref = fit(factory, None, max_steps=steps, precision="bf16-mixed", **CUDA)
+    _free_cuda()
+    got = fit(factory, megatrain(**{**STREAMING, "keep_activations": 2, "kept_saves": None}), max_steps=steps,
+              precision="bf16-mixed", **CUDA)
+    assert_is_megatrain(got)
+    chosen = got.trainer.strategy.config
+    diff = abs(_last10(got.losses) - _last10(ref.losses)) / _last10(ref.losses)
+    print(f"\n(c) Liger Kernel on a 6x512 Qwen2, bf16, {steps} steps: last-10 mean default strategy "
+          f"{_last10(ref.losses):.4f}, megatrain {_last10(got.losses):.4f} ({100 * diff:.3f}%); kept_saves "
+          f"{chosen.kept_saves}, {len(compiled_calls)} compiled calls")
+    assert chosen.kept_saves == "all"
+    assert not compiled_calls
+    assert _last10(got.losses) <= 0.7 * got.losses[0]
+    assert diff <= 0.01
