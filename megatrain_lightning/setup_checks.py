@@ -80,16 +80,20 @@ def unseen_in_place_kernels(module: pl.LightningModule) -> str | None:
     recompute (``kept_saves="matmuls"``) hands the backward matmul outputs they have changed: on a Qwen2.5-7B
     layer in bf16 the gradients came out 1.44 (relative) away from the eager ones (H200, 2026-12-04,
     ``recipes/fused_kernels.py``), silently. Keeping every activation is exact."""
+    def liger(fn: object) -> bool:  # its fused linear cross-entropy (a *ForCausalLM's forward) is no block kernel
+        where = getattr(fn, "__module__", None) or ""
+        return where.startswith("liger_kernel") and not where.startswith("liger_kernel.transformers.model.")
+
     found: list[str] = []
     for m in module.modules():
         bound = m.__dict__.get("forward")
         for fn in (type(m).forward, getattr(bound, "__func__", bound)):
-            if (getattr(fn, "__module__", None) or "").startswith("liger_kernel") and type(m).__name__ not in found:
+            if liger(fn) and type(m).__name__ not in found:
                 found.append(type(m).__name__)
         home = sys.modules.get(type(m).__module__)
         rope = getattr(home, "apply_rotary_pos_emb", None)
         name = f"{getattr(home, '__name__', '')}.apply_rotary_pos_emb"
-        if (getattr(rope, "__module__", None) or "").startswith("liger_kernel") and name not in found:
+        if liger(rope) and name not in found:
             found.append(name)
     return ", ".join(found) + " (Liger Kernel)" if found else None
 

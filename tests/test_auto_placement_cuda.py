@@ -7,8 +7,10 @@
     its budget, and trains as the streaming placement (every loss and final weight within a few times
     the spread of two runs of the streaming placement: the GPU's atomic adds make runs differ).
 (b) A device smaller than the strategy believes (``torch.cuda.set_per_process_memory_fraction`` below what
-    the choice needs): the tried step runs out of memory, the strategy backs off, the step runs again, and
-    the run trains as the streaming placement (as in (a)); the log says so.
+    the choice needs, set once the strategy has taken its budget): the tried step runs out of memory, the
+    strategy backs off, the step runs again, and the run trains as the streaming placement (as in (a)); the log
+    says so.
+(c) A memory fraction set before the fit is the strategy's budget: its choice fits without backing off.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from conftest import fit, megatrain
 from megatrain_lightning.config import STREAMING
+from megatrain_lightning.plan.memory import GB
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -128,6 +132,34 @@ def test_a_tried_placement_that_runs_out_of_memory_backs_off_and_runs_the_step_a
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
+class CapAtTrainStart(Callback):
+    """``torch.cuda.set_per_process_memory_fraction(fraction)`` when training starts (after the setup)."""
+
+    megatrain_reads_weights = False
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        torch.cuda.set_per_process_memory_fraction(self.fraction)
+
+
+def test_the_budget_is_the_share_a_memory_fraction_allows() -> None:
+    """A per-process memory fraction set before the fit bounds the strategy's budget (and so its choice)."""
+    _free()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    try:
+        got = fit(lambda: PlainQwen(layers=8, batch=8, seq=2048, steps=3), "megatrain", max_steps=3, **CUDA)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    lines = got.trainer.strategy.placement_summary["log"]
+    budget = float(re.search(r"budget ([\d.]+) GB", lines[0]).group(1)) * GB
+    print(f"\n(c) memory fraction 0.25 of {total / GB:.1f} GB: budget {budget / GB:.1f} GB; " + "; ".join(lines))
+    assert budget <= 0.25 * total
+    assert got.trainer.strategy.placement_summary["backed_off"] == 0
+
+
 def _backs_off_and_runs_again(factory: Any, cuda: dict) -> None:
     _free()
     eager = dict(compile_blocks=False)  # the three runs alike (compiled and eager bf16 kernels round differently)
@@ -137,13 +169,15 @@ def _backs_off_and_runs_again(factory: Any, cuda: dict) -> None:
     again = fit(factory, megatrain(**STREAMING, **eager), max_steps=4, **cuda)
     _free()
     total = torch.cuda.get_device_properties(0).total_memory
-    # room for the streaming placement and a few kept blocks, not for all twelve the budget allows
-    torch.cuda.set_per_process_memory_fraction(min((streaming_peak * 1.15 + 3 * 2**30) / total, 1.0))
+    # room for the streaming placement and a few kept blocks, not for all twelve the budget allows: a cap set once
+    # the strategy has taken its budget (at setup), as another process taking memory mid-run would (a cap set
+    # before the fit is the budget's: test_the_budget_is_the_share_a_memory_fraction_allows)
+    cap = CapAtTrainStart(min((streaming_peak * 1.15 + 3 * 2**30) / total, 1.0))
     try:
         # eager blocks: the cap above is sized so that the tried placement overflows it at eager's kept-block size;
         # compiled blocks keep less (0.53 against 0.89 GB each here), the tried step then fits the cap and only a
         # later step (adding the device update's moments, which the budget, blind to the cap, allowed) runs out
-        got = fit(factory, megatrain(**eager), max_steps=4, **cuda)
+        got = fit(factory, megatrain(**eager), max_steps=4, callbacks=[cap], **cuda)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     chosen = got.trainer.strategy.placement_summary

@@ -19,6 +19,7 @@ run goes on eager, exactly as before).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Any, Callable
@@ -96,12 +97,10 @@ class CompiledBlocks:
 
 
 def _checkpoint_side_effects_not_replayed() -> Any:
-    # transformers 5.2x's decoder layers set a context variable (its output recorder) in their forward, which
-    # dynamo refuses inside a checkpointed region unless told that the recompute need not replay it; the
-    # recompute records nothing anyway (block.py silences it under eager selective saving too).
+    # transformers' decoder layers (5.25, on the CPU) set a context variable in their forward, which dynamo refuses
+    # inside a checkpointed region ("HOP: Unsafe side effect") unless told that the recompute need not replay it;
+    # the recompute records nothing anyway (block.py silences it under eager selective saving too).
     config = torch._dynamo.config
     if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-    import contextlib
-
     return contextlib.nullcontext()

@@ -60,11 +60,16 @@ class DeviceMemory:
 
     def usable(self) -> int:
         """Bytes this process's tensors may come to hold: what the device has free (other processes and
-        this one's CUDA context excluded) plus what this process's allocator holds already."""
+        this one's CUDA context excluded) plus what this process's allocator holds already, at most the
+        share ``torch.cuda.set_per_process_memory_fraction`` allows it."""
         if not self.cuda:
             return 0
         free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(self.device)
+        if fraction < 1.0:
+            usable = min(usable, int(fraction * torch.cuda.get_device_properties(self.device).total_memory))
+        return usable
 
     def release_cached(self) -> None:
         """Give the allocator's unused blocks back (after a placement is replaced or a step ran out)."""
