@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import megatrain, run_parity
+from compat_zoo import assert_frozen_unchanged, frozen_names
+from conftest import compare_losses, compare_states, fit, megatrain, run_parity
 from megatrain_lightning.engine.compiled import CompiledBlocks, compiles_by_default
+from test_compat_frozen import ATTN, LoraLM
 from zoo import ZOO
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -98,3 +100,33 @@ def test_blocks_with_experts_stay_eager_unless_asked() -> None:
     original = type(qwen3_moe.model.model.layers[0]).forward
     compiled = CompiledBlocks(True, checked={0, 1, 2}, eager={0, 2})
     assert [compiled.runs(i, original) for i in range(3)] == [False, True, False]
+
+
+THIRD_PARTY = {
+    "nn.TransformerEncoder with dropout": partial(ZOO["encoder"], optimizer="sgd", lr=0.05, momentum=0.9),
+    "a Llama, every block kept whole": partial(ZOO["llama"], optimizer="adamw", lr=3e-3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(THIRD_PARTY))
+def test_compiled_modules_we_did_not_write(case: str) -> None:
+    """Blocks from torch.nn (dropout: the compiled blocks draw the eager masks, forward and recompute alike) and
+    transformers, compiled, train as the default strategy trains them."""
+    kept = 99 if case.startswith("a Llama") else 1
+    run_parity(THIRD_PARTY[case], megatrain(compile_blocks=True, keep_activations=kept), max_steps=3,
+               param_rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_peft_lora_trains_its_adapters_as_the_default_strategy() -> None:
+    """peft's LoRA layers inside compiled blocks: the adapters train as under the default strategy, the frozen
+    base weights stay bit for bit."""
+    pytest.importorskip("peft")
+    factory = partial(LoraLM, arch="qwen2", targets=ATTN)
+    ref = fit(factory, None, max_steps=3)
+    frozen = frozen_names(ref.module)
+    got = fit(factory, megatrain(compile_blocks=True, keep_activations=1, kept_saves="matmuls"), max_steps=3)
+    assert_frozen_unchanged(got, frozen, "megatrain")
+    compare_losses(ref.losses, got.losses)
+    compare_states(ref.state, got.state, rtol=1e-4)

@@ -14,7 +14,8 @@ only (``selective.py``) is compiled with its selective checkpoint inside, so tha
 replay in Python, recomputes the elementwise ops in the backward. Eager instead: a block's first call (it is
 the one checked for buffer updates), a call while transformers records outputs (router logits: the
 recording hooks' appends stay out of any graph), and a function whose compilation failed (one warning; the
-run goes on eager, exactly as before).
+run goes on eager, exactly as before). Random ops (dropout) draw from torch's generator as eager ones do
+(inductor's ``fallback_random``): the masks are the eager module's, and a recompute replays its forward's.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class CompiledBlocks:
             fn = self._compiled[key] = (torch.compile(partial(saving_matmuls, original), fullgraph=True)
                                         if matmuls_only else torch.compile(original))
         try:
-            with _checkpoint_side_effects_not_replayed():
+            with _checkpoint_side_effects_not_replayed(), _eager_random():
                 return fn(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             self._failed.add(key)
@@ -94,6 +95,16 @@ class CompiledBlocks:
                         getattr(original, "__qualname__", original), " saving matmul outputs" if matmuls_only else "",
                         type(err).__name__, (str(err).splitlines() or [""])[0][:300])
             return original(module, *args, **kwargs)
+
+
+def _eager_random() -> Any:
+    # Random ops (dropout) draw from torch's generator as eager ops do, not from inductor's own Philox streams:
+    # the masks are then those of the eager module under Lightning's default strategy, and a streamed block's
+    # recompute (another compiled graph than its forward's) replays its forward's masks from the restored RNG
+    # state (block.RecomputeState), as in eager.
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
 
 
 def _checkpoint_side_effects_not_replayed() -> Any:
