@@ -1,9 +1,11 @@
 """Blocks run through torch.compile (``compile_blocks``, ``engine/compiled.py``).
 
-On the CPU (inductor's C++ backend) in fp32 a compiled run must train as Lightning's default strategy does, to the
-parity bar of test_parity.py (weights to 1e-4: fused kernels round differently), and must really run compiled: the streamed blocks' forward without grad, their
-recompute with grad, a kept block's graph keeping every activation and a kept block saving matmul outputs only
-(the selective checkpoint inside the compiled function). Left at None, nothing compiles on the CPU.
+On the CPU (inductor's C++ backend) in fp32 a compiled run must train as Lightning's default strategy does, to
+the parity bar of test_parity.py (weights to 1e-4: fused kernels round differently), and must really run compiled:
+the streamed blocks' forward without grad, their recompute with grad, a kept block's graph keeping every
+activation and a kept block saving matmul outputs only (the selective checkpoint inside the compiled function).
+The same for blocks we did not write (torch.nn with dropout, peft's LoRA layers); a failed compilation runs
+eager; blocks with experts stay eager unless asked. Left at None, nothing compiles on the CPU.
 """
 
 from __future__ import annotations
