@@ -143,7 +143,7 @@ class AutoPlacement:
                      budget=HEADROOM * engine.meter.usable_bytes, layers=len(engine.blocks), device_moments=self._moments(1),
                      device_block_moments=self._moments(2) - self._moments(1),
                      matmuls_ratio=None if self.shape is None else
-                     COMPILED_MATMULS_RATIO if engine.compiled.enabled and not engine.compiled.eager
+                     COMPILED_MATMULS_RATIO if engine.compiled.whole
                      else matmuls_ratio(self.shape))
         self.measured = m
         predicted = None

@@ -129,9 +129,10 @@ class EngineConfig:
             backward on the H200, 104.1 -> 78.3 ms saving matmul outputs, 92.4 -> 77.2 ms keeping all.
             Not bit for bit (fused kernels round differently: bf16, 4e-4 relative on a layer's output). Each
             block class compiles once (tens of seconds in the first steps; a new input shape compiles again);
-            a function that fails to compile runs eager, with one warning. ``None``: on a CUDA device under
-            mixed precision (bf16/fp16), off in fp32 (bit for bit with Lightning's default strategy) and on
-            the CPU.
+            a function that fails to compile runs eager, with one warning. Hugging Face's experts
+            (``*Experts`` modules) run eager inside a compiled block. ``None``: on a CUDA device under mixed
+            precision (bf16/fp16) for blocks without experts; off in fp32 (bit for bit with Lightning's
+            default strategy) and on the CPU.
     """
 
     slots: int | None = None

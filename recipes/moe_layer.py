@@ -9,6 +9,10 @@ implementation x expert implementation. Prints per layer: ms, model TFLOPS count
 at micro-batch 1, each variant's relative error against an fp64 eager reference on the same weights
 (output, the sinks' gradient, a query projection's gradient, the router's gradient).
 
+`--compile` adds, for each variant, the layers run through `torch.compile` (each layer's forward; its own
+row): "compiled, experts eager" (the experts' forward under `torch.compiler.disable`: a graph break on each
+side, attention, norms and router fused) and "compiled" (the experts too).
+
 `--small` runs a hidden-256 model on the CPU in fp32 (the CI smoke test).
 """
 
@@ -65,6 +69,18 @@ def run(model, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return out.detach(), grads
 
 
+def compiled_copy(model, experts_eager: bool):
+    """A copy of ``model`` whose decoder layers run through ``torch.compile`` (with ``experts_eager``: the experts'
+    forward left out of the graphs, ``torch.compiler.disable``)."""
+    copied = copy.deepcopy(model)
+    for layer in copied.layers:
+        if experts_eager:
+            experts = layer.mlp.experts
+            experts.forward = torch.compiler.disable(experts.forward)
+        layer.compile()
+    return copied
+
+
 def top_kernels(model, x: torch.Tensor, device: str, n: int = 8) -> list[str]:
     """One forward + backward under torch.profiler: the `n` kernels with the most device time (which attention
     and grouped-matmul kernels really ran, and their share)."""
@@ -91,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--attn", default="eager,flex_attention,fused_sinks")
     ap.add_argument("--experts", default="grouped_mm")
+    ap.add_argument("--compile", action="store_true",
+                    help="each variant also with its layers compiled: experts eager, and experts compiled")
     ap.add_argument("--small", action="store_true", help="hidden 256 on the CPU in fp32 (smoke test)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing a variant, one more run under torch.profiler: its 8 costliest device kernels")
@@ -119,27 +137,31 @@ def main(argv: list[str] | None = None) -> int:
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a.double() - b).norm() / b.norm()).item()
 
-    variants = [(a, e) for a in args.attn.split(",") for e in args.experts.split(",")]
+    compiles = ["", "compiled, experts eager", "compiled"] if args.compile else [""]
+    variants = [(a, e, c) for a in args.attn.split(",") for e in args.experts.split(",") for c in compiles]
     if device == "cpu":  # fp32 eager's own distance to the fp64 reference: what "exact" means here
-        variants.insert(0, ("eager", "eager"))
-    for attn, experts in variants:
-        label = f"attn={attn} experts={experts}"
+        variants.insert(0, ("eager", "eager", ""))
+    for attn, experts, compiled in variants:
+        label = f"attn={attn} experts={experts}" + (f" {compiled}" if compiled else "")
         try:
             # "fused_sinks:unchunked": sliding-window layers through one masked call over all keys
             sink_attention.CHUNK_SLIDING = not attn.endswith(":unchunked")
             model.set_attn_implementation(attn.split(":")[0])
             model.set_experts_implementation(experts)
+            timed = compiled_copy(model, experts_eager="eager" in compiled) if compiled else model
             if args.check_fp32:
                 torch.backends.cuda.matmul.allow_tf32 = False
                 checked = copy.deepcopy(model).float()
+                if compiled:
+                    checked = compiled_copy(checked, experts_eager="eager" in compiled)
                 out, grads = run(checked, x1.float())
                 del checked
             else:
-                out, grads = run(model, x1.to(dtype))
+                out, grads = run(timed, x1.to(dtype))
             errs = [rel(out, ref_out)] + [rel(grads[n], ref_grads[n]) for n in watch]
             del out, grads
             x = torch.randn(args.micro_batch, seq, config.hidden_size, device=device, dtype=dtype)
-            run(model, x)  # warm-up (flex attention compiles here)
+            run(timed, x)  # warm-up (flex attention and compiled layers compile here)
             times = []
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -148,20 +170,21 @@ def main(argv: list[str] | None = None) -> int:
                 if device == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    run(model, x)
+                    run(timed, x)
                     end.record()
                     torch.cuda.synchronize()
                     times.append(start.elapsed_time(end) / 1e3)
                 else:
                     t0 = time.perf_counter()
-                    run(model, x)
+                    run(timed, x)
                     times.append(time.perf_counter() - t0)
             if args.profile:
-                kernels.append((label, top_kernels(model, x, device)))
+                kernels.append((label, top_kernels(timed, x, device)))
             per_layer = statistics.median(times) / args.layers
             tokens = args.micro_batch * seq
             tflops = active_flops_per_token(config, seq) * tokens / per_layer / 1e12
             peak = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
+            del timed
             rows.append((label, f"{per_layer * 1e3:.1f}", f"{tflops:.1f}", f"{peak:.1f}",
                          " ".join(f"{e:.1e}" for e in errs)))
         except Exception as e:  # one variant failing is a row, not the end of the table

@@ -5,7 +5,8 @@ the parity bar of test_parity.py (weights to 1e-4: fused kernels round different
 the streamed blocks' forward without grad, their recompute with grad, a kept block's graph keeping every
 activation and a kept block saving matmul outputs only (the selective checkpoint inside the compiled function).
 The same for blocks we did not write (torch.nn with dropout, peft's LoRA layers); a failed compilation runs
-eager; blocks with experts stay eager unless asked. Left at None, nothing compiles on the CPU.
+eager; blocks with Hugging Face's experts compile around them, the experts eager. Left at None, nothing compiles on
+the CPU.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from compat_zoo import assert_frozen_unchanged, frozen_names
-from conftest import compare_losses, compare_states, fit, megatrain, run_parity
+from conftest import LOSS_RTOL, assert_parity, compare_losses, compare_states, fit, megatrain, run_parity
 from megatrain_lightning.engine.compiled import CompiledBlocks, compiles_by_default
+from megatrain_lightning.models import expert_routing  # noqa: F401  registers experts_implementation="grouped_mm_gather"
 from test_compat_frozen import ATTN, LoraLM
 from zoo import ZOO
 
@@ -31,10 +33,10 @@ def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
     calls: list[tuple[bool, bool]] = []
     call = CompiledBlocks.call
 
-    def counted(self: CompiledBlocks, original: Any, module: Any, args: tuple, kwargs: dict,
+    def counted(self: CompiledBlocks, block: int, original: Any, module: Any, args: tuple, kwargs: dict,
                 matmuls_only: bool = False) -> Any:
         calls.append((torch.is_grad_enabled(), matmuls_only))
-        return call(self, original, module, args, kwargs, matmuls_only)
+        return call(self, block, original, module, args, kwargs, matmuls_only)
 
     monkeypatch.setattr(CompiledBlocks, "call", counted)
     return calls
@@ -90,18 +92,83 @@ def test_a_function_that_fails_to_compile_runs_eager_and_trains_the_same(
     assert all("injected compile failure" in w for w in warned)
 
 
-def test_blocks_with_experts_stay_eager_unless_asked() -> None:
-    """Left open, blocks that route to experts stay eager (compiled, GPT-OSS's grouped_mm stopped on the H200);
-    dense blocks of the same model (Qwen3-MoE's mlp_only_layers) compile."""
-    from megatrain_lightning.engine.compiled import has_experts
+def test_which_blocks_compile_around_experts() -> None:
+    """Asked to compile, blocks with Hugging Face's ``*Experts`` compile around them (GPT-OSS's, Qwen3-MoE's sparse
+    layers; its dense ``mlp_only_layers`` whole), a block routing to experts some other way whole; left open,
+    every block with experts stays eager (not yet measured on a GPU)."""
+    from megatrain_lightning.engine.compiled import experts_of, has_experts
 
     gpt_oss, qwen3_moe, llama = ZOO["gpt_oss"](), ZOO["qwen3_moe"](), ZOO["llama"]()
-    assert all(has_experts(b) for b in gpt_oss.model.model.layers)
-    assert [has_experts(b) for b in qwen3_moe.model.model.layers] == [True, False, True]
+    assert all([type(m).__name__ for m in experts_of(b)] == ["GptOssExperts"] for b in gpt_oss.model.model.layers)
+    layers = list(qwen3_moe.model.model.layers)
+    assert [bool(experts_of(b)) for b in layers] == [True, False, True]
     assert not any(has_experts(b) for b in llama.model.model.layers)
-    original = type(qwen3_moe.model.model.layers[0]).forward
-    compiled = CompiledBlocks(True, checked={0, 1, 2}, eager={0, 2})
-    assert [compiled.runs(i, original) for i in range(3)] == [False, True, False]
+    routed = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(2)])
+    for b in routed:
+        b.num_experts = 4  # a router of the user's own (no *Experts module)
+    assert all(has_experts(b) and not experts_of(b) for b in routed)
+    original = type(layers[0]).forward
+    compiled = CompiledBlocks(True, checked={0, 1, 2}, blocks=layers)
+    assert compiled.around_experts == {0, 2} and not compiled.whole
+    assert [compiled.runs(i, original) for i in range(3)] == [True, True, True]
+    assert all("forward" in b.mlp.experts.__dict__ for b in (layers[0], layers[2]))
+    compiled.close()
+    assert not any("forward" in b.mlp.experts.__dict__ for b in (layers[0], layers[2]))
+    left_open = CompiledBlocks(True, checked={0, 1, 2}, blocks=layers, auto=True)
+    assert left_open.eager == {0, 2} and not left_open.around_experts
+    assert [left_open.runs(i, original) for i in range(3)] == [False, True, False]
+    assert CompiledBlocks(True, checked={0}, blocks=list(routed), auto=True).eager == {0, 1}
+    whole = CompiledBlocks(True, checked={0}, blocks=list(routed))
+    assert whole.eager == set() and whole.around_experts == set() and whole.whole
+
+
+MOE = {
+    "gpt_oss, grouped_mm_gather": partial(ZOO["gpt_oss"], experts_implementation="grouped_mm_gather"),
+    "qwen3_moe, transformers' grouped_mm": partial(ZOO["qwen3_moe"], experts_implementation="grouped_mm"),
+    "mixtral, transformers' eager loop": ZOO["mixtral"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MOE))
+def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
+        case: str, compiled_calls: list, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Compiled around their experts (eager, a graph break each side): streamed, kept whole and kept saving
+    matmul outputs (the experts under their own selective checkpoint, recomputed in the backward on the weights
+    the forward read), at parity with Lightning's default strategy; the experts' own forward back after the fit."""
+    from megatrain_lightning.engine import compiled as compiled_module
+
+    checkpointed: list[bool] = []
+    saving = compiled_module.saving_matmuls
+
+    def counted(fn: Any, *inputs: Any, **kwargs: Any) -> Any:
+        checkpointed.append(torch.compiler.is_compiling())
+        return saving(fn, *inputs, **kwargs)
+
+    monkeypatch.setattr(compiled_module, "saving_matmuls", counted)
+    on_host: list[str] = []  # an experts call that read the module's own (host) parameters, not the bound weights
+    factory = partial(MOE[case], optimizer="adamw", lr=3e-3)
+    experts_class = type(next(m for m in factory().modules() if type(m).__name__.endswith("Experts")))
+    forward = experts_class.forward
+
+    def reads_bound_weights(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(isinstance(p, torch.nn.Parameter) for p in self._parameters.values()):
+            on_host.append(type(self).__name__)
+        return forward(self, *args, **kwargs)
+
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ref = fit(factory, None, max_steps=3)
+    monkeypatch.setattr(experts_class, "forward", reads_bound_weights)
+    for kept_saves in ("matmuls", "all"):
+        got = fit(factory, megatrain(compile_blocks=True, keep_activations=1, kept_saves=kept_saves), max_steps=3)
+        assert_parity(ref, got, LOSS_RTOL, 1e-4, None)
+        assert not any("forward" in m.__dict__ for m in got.module.modules() if type(m).__name__.endswith("Experts"))
+    assert "torch.compile failed" not in caplog.text
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert {(False, False), (True, False), (True, True)} <= set(compiled_calls)
+    assert checkpointed and not any(checkpointed)  # the experts' checkpoint ran, eager, in the kept block
+    assert not on_host, on_host  # its recompute too read the weights the forward read
 
 
 THIRD_PARTY = {

@@ -63,7 +63,7 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
     try:
         with binding.bound(weights, check=check):
             if not eager and engine.compiled.runs(block, original, matmuls_only):
-                out = engine.compiled.call(original, engine.blocks[block], args, kwargs, matmuls_only)
+                out = engine.compiled.call(block, original, engine.blocks[block], args, kwargs, matmuls_only)
             else:
                 out = original(engine.blocks[block], *args, **kwargs)
         if check:

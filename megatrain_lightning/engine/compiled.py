@@ -16,12 +16,23 @@ the one checked for buffer updates), a call while transformers records outputs (
 recording hooks' appends stay out of any graph), and a function whose compilation failed (one warning; the
 run goes on eager, exactly as before). Random ops (dropout) draw from torch's generator as eager ones do
 (inductor's ``fallback_random``): the masks are the eager module's, and a recompute replays its forward's.
+
+Experts stay out of the graphs. A block with Hugging Face's experts (``MixtralExperts``, ``GptOssExperts``...:
+the modules that sort tokens to experts and run their grouped matmuls) is compiled around them: their forward
+runs eager through ``torch.compiler.disable`` (a graph break on each side; compiled, GPT-OSS-20B's blocks stopped
+on the H200 with ``_grouped_mm``'s device-side assert, torch 2.11, 2026-12-04), the attention, norms, router and
+residual adds fused. Such a block cannot hold its selective checkpoint inside one graph, so a kept one saving
+matmul outputs runs compiled without it (inductor's partitioner chooses what the fused parts save) and its
+experts under their own selective checkpoint (:func:`~.selective.saving_matmuls`, their weights passed in, so
+the recompute reads the tensors the forward read). Left open (``compile_blocks=None``), blocks with experts stay
+eager: compiling around the experts is not yet measured on a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from contextvars import ContextVar
 from functools import partial
 from typing import Any, Callable
 
@@ -46,25 +57,44 @@ def compiles_by_default(device: torch.device, compute_dtype: torch.dtype) -> boo
     return device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16)
 
 
+def experts_of(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``block`` that route tokens to experts and run them: Hugging Face's ``*Experts`` (every MoE
+    of transformers 5: ``MixtralExperts``, ``GptOssExperts``, ``Qwen3MoeExperts``...)."""
+    return [m for m in block.modules() if type(m).__name__.endswith("Experts")]
+
+
 def has_experts(block: torch.nn.Module) -> bool:
     """Whether ``block`` routes tokens to experts (a Hugging Face ``*Experts`` module, or a router with
-    ``num_experts``). Left eager unless ``compile_blocks=True``: compiled, GPT-OSS-20B's blocks (transformers'
-    experts on ``_grouped_mm``) stopped on the H200 with the kernel's device-side assert (its group offsets
-    must be multiples of 16 bytes; torch 2.11, 2026-12-04), and the routing's data-dependent shapes leave
-    little to fuse."""
-    return any(type(m).__name__.endswith("Experts") or hasattr(m, "num_experts") for m in block.modules())
+    ``num_experts``)."""
+    return bool(experts_of(block)) or any(hasattr(m, "num_experts") for m in block.modules())
+
+
+# True while a compiled kept block saving matmul outputs runs: its experts run under their own selective checkpoint
+_experts_save_matmuls: ContextVar[bool] = ContextVar("megatrain_experts_save_matmuls", default=False)
 
 
 class CompiledBlocks:
     """The compiled forwards of one engine's blocks. ``checked``: the engine's set of blocks whose first
-    (eager, checked) call has run."""
+    (eager, checked) call has run. ``auto``: ``compile_blocks=None`` (blocks routing to experts stay eager)."""
 
-    def __init__(self, enabled: bool, checked: set[int], eager: set[int] | None = None) -> None:
+    def __init__(self, enabled: bool, checked: set[int], blocks: list[torch.nn.Module], auto: bool = False) -> None:
         self.enabled = enabled
         self.checked = checked
-        self.eager = eager or set()  # blocks that stay eager (with experts, by default)
+        self.eager = {i for i, b in enumerate(blocks) if auto and has_experts(b)}
+        # blocks compiled around their experts, and each experts module's own forward (restored by close())
+        self.around_experts = {i for i, b in enumerate(blocks) if enabled and i not in self.eager and experts_of(b)}
+        self._experts: list[tuple[torch.nn.Module, Any]] = []  # (module, the forward it held on the instance)
+        for i in sorted(self.around_experts):
+            for experts in experts_of(blocks[i]):
+                self._experts.append((experts, experts.__dict__.get("forward")))
+                experts.forward = _outside_graphs(experts, experts.forward)  # type: ignore[method-assign]
         self._compiled: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
         self._failed: set[tuple[Callable[..., Any], bool]] = set()
+
+    @property
+    def whole(self) -> bool:
+        """Whether every block compiles whole (a kept one's selective checkpoint inside its graph)."""
+        return self.enabled and not self.eager and not self.around_experts
 
     def runs(self, block: int, original: Callable[..., Any], matmuls_only: bool = False) -> bool:
         """Whether block ``block``'s next call (its class function ``original``; ``matmuls_only``: saving matmul
@@ -73,19 +103,22 @@ class CompiledBlocks:
                 and (original, matmuls_only) not in self._failed
                 and not side_outputs.recording())
 
-    def call(self, original: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
+    def call(self, block: int, original: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
              matmuls_only: bool = False) -> Any:
-        """``original(module, *args, **kwargs)`` compiled (with ``matmuls_only``: saving only matmul and attention
-        outputs for the backward). Falls back to eager if compiling fails; a fallback under ``matmuls_only``
-        runs without selective saving (this call's graph keeps every activation; later calls take the eager
-        selective path, ``runs(..., matmuls_only=True)`` being False)."""
+        """``original(module, *args, **kwargs)`` (block ``block``) compiled (with ``matmuls_only``: saving only
+        matmul and attention outputs for the backward). Falls back to eager if compiling fails; a fallback
+        under ``matmuls_only`` runs without selective saving (this call's graph keeps every activation; later
+        calls take the eager selective path, ``runs(..., matmuls_only=True)`` being False)."""
+        around_experts = block in self.around_experts
         key = (original, matmuls_only)
         fn = self._compiled.get(key)
         if fn is None:
             # fullgraph: a graph break inside the checkpoint would run it eager, and its recompute would then
-            # run in the backward, after the block's weights were unbound; compiling whole or not at all
+            # run in the backward, after the block's weights were unbound; compiling whole or not at all. Around
+            # experts (a graph break each side) the checkpoint is theirs alone (_outside_graphs).
             fn = self._compiled[key] = (torch.compile(partial(saving_matmuls, original), fullgraph=True)
-                                        if matmuls_only else torch.compile(original))
+                                        if matmuls_only and not around_experts else torch.compile(original))
+        saving = _experts_save_matmuls.set(matmuls_only and around_experts)
         try:
             with _checkpoint_side_effects_not_replayed(), _eager_random():
                 return fn(module, *args, **kwargs)
@@ -95,6 +128,43 @@ class CompiledBlocks:
                         getattr(original, "__qualname__", original), " saving matmul outputs" if matmuls_only else "",
                         type(err).__name__, (str(err).splitlines() or [""])[0][:300])
             return original(module, *args, **kwargs)
+        finally:
+            _experts_save_matmuls.reset(saving)
+
+    def close(self) -> None:
+        """Give the experts modules their own forward back."""
+        for experts, held in self._experts:
+            if held is None:
+                experts.__dict__.pop("forward", None)
+            else:
+                experts.forward = held
+        self._experts = []
+
+
+def _outside_graphs(experts: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``experts``' forward, run eager where a compiled block calls it; in a kept block saving matmul outputs
+    under its own selective checkpoint, the experts' parameters (the weights the engine bound) among its
+    inputs: the recompute in the backward, after the block's weights were unbound, binds them again."""
+
+    @torch.compiler.disable
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not (_experts_save_matmuls.get() and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        sites = [(m, name) for m in experts.modules() for name, t in m._parameters.items() if t is not None]
+
+        def bound(*tensors: Any) -> Any:
+            held = [m._parameters[name] for m, name in sites]
+            for (m, name), t in zip(sites, tensors[len(args):]):
+                m._parameters[name] = t
+            try:
+                return forward(*tensors[:len(args)], **kwargs)
+            finally:
+                for (m, name), t in zip(sites, held):
+                    m._parameters[name] = t
+
+        return saving_matmuls(bound, *args, *[m._parameters[name] for m, name in sites])
+
+    return run
 
 
 def _eager_random() -> Any:

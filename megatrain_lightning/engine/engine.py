@@ -29,7 +29,7 @@ from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params, placement as _placement
 from .block_call import run_bound, streamed_forward
-from .compiled import CompiledBlocks, compiles_by_default, has_experts
+from .compiled import CompiledBlocks, compiles_by_default
 from .device_memory import StepMeter
 from .grads import GradPath, Update
 from .host_worker import HostWorker
@@ -134,9 +134,9 @@ class StreamingEngine:
 
         self._anchor_t: torch.Tensor | None = None
         self.checked_blocks: set[int] = set()  # blocks whose first forward was checked for buffer updates
-        auto = config.compile_blocks is None  # dense blocks on CUDA under mixed precision (compiled.py)
+        auto = config.compile_blocks is None  # on CUDA under mixed precision (compiled.py)
         self.compiled = CompiledBlocks(compiles_by_default(self.device, compute_dtype) if auto else config.compile_blocks,
-                                       self.checked_blocks, {i for i, b in enumerate(blocks) if auto and has_experts(b)})
+                                       self.checked_blocks, blocks, auto)
         self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
         self.original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
@@ -382,8 +382,8 @@ class StreamingEngine:
         self.grads.close()
         self.worker.shutdown()
         for block in self.blocks:
-            if "forward" in block.__dict__:
-                del block.forward
+            block.__dict__.pop("forward", None)
+        self.compiled.close()
         self.outside.close()
         self.resident.close()
         if self.streams.cuda:
