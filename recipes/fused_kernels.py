@@ -1,4 +1,4 @@
-# python recipes/fused_kernels.py [--repeats 5]
+# python recipes/fused_kernels.py [--repeats 5] [--loss-only] [--shapes 7b 3b gpt-oss]
 """Fused kernels on one decoder layer and on the LM head + loss, against Hugging Face's eager code (issues 15, 18).
 
 The question: how much of a streamed step's device time would a maintained kernel library (Liger Kernel: fused
@@ -8,7 +8,10 @@ autocast, bf16 matmul weights and fp32 1-d weights and fp32 residual input (as t
 + backward, run the two ways a streamed block runs: every activation kept ("full") and the kept blocks' default
 (torch's selective checkpointing saving matmul and attention outputs, ``engine/selective.py``: "matmuls").
 Then the head + loss over the same tokens: Hugging Face's ``ForCausalLMLoss`` on full logits, the package's
-chunked loss (``CausalLM``, 4096-token chunks, each recomputed), Liger's fused linear cross-entropy.
+chunked loss (``CausalLM``: 4096-token chunks, each one's gradients taken in its forward, ``models/head_loss.py``),
+the same chunks each checkpointed and recomputed in the backward (what it replaced, 2026-12-05), Liger's fused
+linear cross-entropy. ``--shapes gpt-oss``: GPT-OSS-20B's head (hidden 2880, 201 K vocabulary, 14 x 2048), the
+loss only.
 Prints one table: ms per call, the saved activations / peak memory, and the relative error against eager.
 """
 
@@ -28,6 +31,7 @@ from megatrain_lightning.engine.selective import saving_matmuls  # noqa: E402
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, micro-batch
     "7b": (3584, 18944, 28, 4, 152064, 16),
     "3b": (2048, 11008, 16, 2, 151936, 8),
+    "gpt-oss": (2880, 2880, 64, 8, 201088, 14),  # the head + loss only (its blocks are not Qwen2's)
 }
 
 
@@ -104,12 +108,18 @@ def head_loss(kind: str, hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         return LigerFusedLinearCrossEntropyLoss()(weight, hidden, shifted)
-    from torch.utils.checkpoint import checkpoint  # the package's CausalLM: 4096-token chunks, each recomputed
+    n = (shifted != -100).sum()
+    head = torch.nn.Linear(hidden.shape[-1], weight.shape[0], bias=False, device="meta")
+    head.weight = weight  # the Parameter itself: its gradient lands in weight.grad
+    if kind == "chunked":  # the package's CausalLM: 4096-token chunks, gradients in the forward
+        from megatrain_lightning.models.head_loss import chunked_head_loss
+
+        return chunked_head_loss(head, hidden, shifted, 4096) / n
+    from torch.utils.checkpoint import checkpoint  # "checkpointed": each chunk recomputed in the backward
 
     def chunk_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=-100, reduction="sum")
+        return F.cross_entropy(head(h).float(), t, ignore_index=-100, reduction="sum")
 
-    n = (shifted != -100).sum()
     return sum(checkpoint(chunk_loss, h, t, use_reentrant=False)
                for h, t in zip(hidden.split(4096), shifted.split(4096))) / n
 
@@ -119,7 +129,7 @@ def time_loss(shape: str, kind: str, repeats: int) -> tuple[float, float, torch.
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens = mb * 2048
     hidden0 = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(vocab, h, device="cuda", generator=g) * 0.02).requires_grad_(True)
+    weight = torch.nn.Parameter(torch.randn(vocab, h, device="cuda", generator=g) * 0.02)
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
 
     def once() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -148,6 +158,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--loss-only", action="store_true", help="the head + loss table only")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     print("| shape | what | saves | ms | saved / peak GiB | output vs eager | worst grad vs eager |")
@@ -156,7 +167,7 @@ def main() -> None:
         h, _, _, _, _, mb = SHAPES[shape]
         x = torch.randn(mb, 2048, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
         pos = torch.arange(2048, device="cuda").expand(mb, -1)
-        for saves in ("full", "matmuls"):
+        for saves in () if a.loss_only or shape == "gpt-oss" else ("full", "matmuls"):
             ref: tuple[torch.Tensor, list[torch.Tensor]] | None = None
             kinds = ["eager", "liger"] + ([] if a.no_compile else ["compile"])
             for kind in kinds:
@@ -185,7 +196,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             del ref
         ref = None
-        for kind in ("hf", "chunked", "liger"):
+        for kind in ("hf", "chunked", "checkpointed", "liger"):
             try:
                 ms, peak, loss, grads = time_loss(shape, kind, a.repeats)
             except Exception as err:  # noqa: BLE001

@@ -17,7 +17,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -28,6 +27,7 @@ from megatrain_lightning.models.build import (
     hf_config, load_pretrained, materialize, meta_model, pretrained_config, route_experts,
 )
 from megatrain_lightning.models.chunked_mlp import chunk_mlp
+from megatrain_lightning.models.head_loss import chunked_head_loss
 from megatrain_lightning.models.lr_schedule import WarmupCosine
 from megatrain_lightning.models import sink_attention
 from megatrain_lightning.models.model_shape import ModelShape
@@ -89,10 +89,10 @@ class CausalLM(pl.LightningModule):
         warmup_steps: linear warmup length in optimizer steps.
         decay_steps: cosine decay ends here (usually `trainer.max_steps`); None keeps the rate constant.
         min_lr_ratio: final learning rate as a fraction of `lr`.
-        loss_chunk_tokens: compute the LM head and loss this many tokens at a time, each chunk
-            recomputed in backward, so that `[tokens, vocab]` logits never exist at once (with a
-            150 K vocabulary they are the largest activation). Costs one extra LM-head matmul.
-            None: one pass, simplest and fastest when the logits fit. Chunks apply the plain
+        loss_chunk_tokens: compute the LM head and loss this many tokens at a time, each chunk's
+            gradients taken right after its forward (`models/head_loss.py`), so that `[tokens, vocab]`
+            logits never exist at once (with a 150 K vocabulary they are the largest activation).
+            None: one pass, simplest when the logits fit. Chunks apply the plain
             output embedding, right for every family configured here (Llama, Qwen, Mistral,
             GPT-OSS), not for models that rescale logits after it (Gemma's soft-capping).
         attn_implementation: transformers attention backend (`sdpa`, `eager`, `flash_attention_2`);
@@ -195,15 +195,7 @@ class CausalLM(pl.LightningModule):
             )
         hidden = self.model.get_decoder()(**kwargs).last_hidden_state[:, :-1]  # [B, T-1, D]
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        head = self.model.get_output_embeddings()
-
-        def chunk_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
-
-        total = sum(
-            checkpoint(chunk_loss, h, t, use_reentrant=False)
-            for h, t in zip(hidden.split(chunk), targets.split(chunk))
-        )
+        total = chunked_head_loss(self.model.get_output_embeddings(), hidden, targets, chunk)
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     @override

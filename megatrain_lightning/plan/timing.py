@@ -89,10 +89,10 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     Device FLOPs per token: blocks 2N forward, 4N backward and 2N recompute for each block that is not
     kept, N the block parameters a token passes through (a mixture of experts: its active experts only,
     while the copies and the host AdamW below are on every parameter, plus its routing's work per routed row,
-    ``ROUTED_SECONDS_PER_ELEMENT``), plus 2 x the MLP's parameters when
-    it runs in chunks (each chunk's forward again in the backward); the head 2 forward + 4 backward (+2 when
-    the chunked loss recomputes it); causal attention 2·L·H·Q·T per pass (forward, recompute, twice in
-    the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it was charged
+    ``ROUTED_SECONDS_PER_ELEMENT``), plus 2 x the MLP's parameters when it runs in chunks (each chunk's
+    forward again in the backward); the head 2 forward + 4 backward (the chunked loss takes each chunk's
+    gradients in its forward: ``models/head_loss.py``); causal attention 2·L·H·Q·T per pass (forward,
+    recompute, twice in the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it was charged
     whole at the matmuls' rate, 0.3 of the peak in effect: 64% too slow at 128 K tokens). Copies: a cached block's weights
     once per step, every other block's twice per micro-batch (forward and recompute), the resident fp32
     masters once per step; every gradient once per micro-batch back; each offloaded saved input to the host
@@ -112,7 +112,6 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     rate = matmul_efficiency(shape.hidden, run.compiled(moe=shape.routed_rows > 0)) * hw.peak_bf16_tflops * 1e12
     attn_rate = ATTENTION_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
-    chunked = w.loss_chunk_tokens is not None and tokens > w.loss_chunk_tokens
     layers = max(shape.layers, 1)
     keep = min(e.keep_activations, layers)
     cached = max(keep, min(e.cache_weights, layers))
@@ -121,7 +120,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     attn = 2 * shape.layers * shape.heads * shape.head_dim * w.seq_len  # per token, one causal pass
     active = shape.active_blocks  # a mixture of experts computes on its active experts only
     fwd_flops = tokens * (2 * active + 2 * shape.head_params)
-    bwd_flops = tokens * ((4 + 2 * recompute) * active + (6 if chunked else 4) * shape.head_params
+    bwd_flops = tokens * ((4 + 2 * recompute) * active + 4 * shape.head_params
                           + (2 * shape.mlp if w.mlp_chunked else 0))
     routed = tokens * shape.routed_rows * shape.hidden * ROUTED_SECONDS_PER_ELEMENT  # one pass (0: dense)
     dev_fwd = fwd_flops / rate + tokens * attn / attn_rate + routed

@@ -1,0 +1,90 @@
+"""The LM head and its cross-entropy in chunks of tokens, each chunk's gradients taken in the forward.
+
+With a 150-200 K vocabulary the logits are the largest activation of a step (``[tokens, vocab]`` in fp32:
+57 GB at 7B and 16 x 2048 tokens). ``CausalLM(loss_chunk_tokens=N)`` never makes them whole: the head and the
+loss run ``N`` tokens at a time. Each chunk's backward runs right after its forward, inside the loss's
+forward (the way fused linear cross-entropy kernels do it), so nothing of a chunk outlives it but the
+gradients it adds to two buffers: the head input's (``[tokens, hidden]``) and the head weights'. The loss's
+backward hands them on, scaled by the gradient it receives. A checkpoint per chunk (what this replaced)
+holds the same but runs each chunk's head matmul and log-softmax twice.
+
+Exact: each chunk runs the very ops autograd would (the head module itself, ``F.cross_entropy`` in fp32,
+under the caller's autocast); only the order in which chunks add into the weights' gradient differs. The
+weights are differentiated through detached aliases bound in their place (the head's own module, a LoRA
+wrapper, a weight tied to the input embedding alike): hooks on the parameters see one gradient, in the
+loss's backward, as they would without chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain_lightning.data.sft_batch import IGNORE_INDEX
+
+
+def chunked_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum over ``hidden``'s rows (``[tokens, hidden]``) of the cross-entropy of ``head(row)`` against
+    ``targets`` (``[tokens]``; ``-100``: not counted), ``chunk`` rows at a time."""
+    sites = [(m, name) for m in head.modules() for name, t in m._parameters.items()
+             if t is not None and t.requires_grad]
+    params = [m._parameters[name] for m, name in sites]
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
+        return sum(_loss(head, h, t) for h, t in zip(hidden.split(chunk), targets.split(chunk)))
+    return _GradsInForward.apply(head, sites, hidden, targets, chunk, *params)
+
+
+def _loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _GradsInForward(torch.autograd.Function):
+    """``apply(head, sites, hidden, targets, chunk, *params)`` -> the summed loss; ``params``: the tensors at
+    ``sites`` (``(module, name)`` in ``head``) that require grad."""
+
+    @staticmethod
+    def forward(ctx: Any, head: nn.Module, sites: list, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                *params: torch.Tensor) -> torch.Tensor:
+        aliases = [p.detach().requires_grad_() for p in params]
+        held = [m._parameters[name] for m, name in sites]
+        # Buffers: from here to the loss's backward, which scales them in place and hands them on
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_params: list[torch.Tensor | None] = [None] * len(params)  # the first chunk's own gradient, then sums
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for (m, name), a in zip(sites, aliases):
+            m._parameters[name] = a
+        try:
+            start = 0
+            for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+                with torch.enable_grad():
+                    h = h.detach().requires_grad_(grad_hidden is not None)
+                    loss = _loss(head, h, t)  # this chunk's logits live until the next line returns
+                    wrt = ([h] if grad_hidden is not None else []) + aliases
+                    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + h.shape[0]] = grads[0]
+                    grads = grads[1:]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+                total += loss.detach()
+                start += h.shape[0]
+        finally:
+            for (m, name), p in zip(sites, held):
+                m._parameters[name] = p
+        ctx.grads = (grad_hidden, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grad_params)])
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grad_hidden, grad_params = ctx.grads
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad.to(grad_hidden.dtype))
+        for g in grad_params:
+            g.mul_(grad.to(g.dtype))
+        return (None, None, grad_hidden, None, None, *grad_params)
