@@ -137,6 +137,36 @@ def test_peft_lora_on_the_head_trains_its_adapters_and_leaves_the_base_alone() -
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("weights", ["DeepSpeed ZeRO-3's (ds_id)", "FSDP's views (a tensor attribute)"])
+def test_weights_a_sharding_engine_manages_take_the_checkpointed_chunks(
+        weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed gathers its parameters only inside the module's forward and reduces their gradients in its own
+    backward hooks; FSDP's flat parameter is seen through views: their chunks are checkpointed and run again in
+    the backward, and the gradients are the one pass's."""
+    from megatrain_lightning.models import head_loss
+
+    head, hidden, targets = case(bias=False)
+    if weights.startswith("DeepSpeed"):
+        head.weight.ds_id = 0
+        owner = head.weight
+    else:
+        owner = head.weight
+        del head.weight
+        head.weight = owner * 1.0  # a view-like non-leaf: its gradient reaches `owner` only through autograd
+    calls: list[bool] = []
+    monkeypatch.setattr(head_loss, "checkpoint", lambda *a, **k: calls.append(True) or checkpoint(*a, **k))
+    loss = chunked_head_loss(head, hidden, targets, CHUNK)
+    loss.backward()
+    assert len(calls) == len(hidden.split(CHUNK))
+    got_h, got_w = hidden.grad.clone(), owner.grad.clone()
+    hidden.grad, owner.grad = None, None
+    if weights.startswith("FSDP"):
+        head.weight = owner * 1.0
+    one_pass(head, hidden, targets).backward()
+    torch.testing.assert_close(got_h, hidden.grad)
+    torch.testing.assert_close(got_w, owner.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.usefixtures("one_intra_op_thread")
 def test_causal_lm_with_its_chunked_loss_trains_under_the_strategy_as_under_the_default() -> None:
     from megatrain_lightning.models import CausalLM

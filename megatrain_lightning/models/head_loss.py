@@ -12,16 +12,21 @@ Exact: each chunk runs the very ops autograd would (the head module itself, ``F.
 under the caller's autocast); only the order in which chunks add into the weights' gradient differs. The
 weights are differentiated through detached aliases bound in their place (the head's own module, a LoRA
 wrapper, a weight tied to the input embedding alike): hooks on the parameters see one gradient, in the
-loss's backward, as they would without chunks.
+loss's backward, as they would without chunks. Where the head's parameters are not plain tensors held by
+``nn.Parameter`` (DeepSpeed ZeRO-3 gathers them only inside the module's forward and reduces their
+gradients in its backward hooks; FSDP holds views or DTensors), the chunks are checkpointed instead, each
+run again in the backward.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatrain_lightning.data.sft_batch import IGNORE_INDEX
 
@@ -34,7 +39,24 @@ def chunked_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tens
     params = [m._parameters[name] for m, name in sites]
     if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
         return sum(_loss(head, h, t) for h, t in zip(hidden.split(chunk), targets.split(chunk)))
+    if not _plain_weights(head):
+        return sum(checkpoint(partial(_loss, head), h, t, use_reentrant=False)
+                   for h, t in zip(hidden.split(chunk), targets.split(chunk)))
     return _GradsInForward.apply(head, sites, hidden, targets, chunk, *params)
+
+
+def _plain_weights(head: nn.Module) -> bool:
+    """Whether every weight ``head`` differentiates is an ``nn.Parameter`` over a plain tensor that no sharding
+    engine manages: not one of DeepSpeed's (they carry ``ds_id``), a DTensor, or a tensor attribute that requires
+    grad outside ``_parameters`` (FSDP's views of its flat parameter)."""
+    for m in head.modules():
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in vars(m).values()):
+            return False
+        for p in m._parameters.values():
+            if p is not None and not (isinstance(p, nn.Parameter) and type(p.data) is torch.Tensor
+                                      and not hasattr(p, "ds_id")):
+                return False
+    return True
 
 
 def _loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
