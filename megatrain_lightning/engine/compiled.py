@@ -88,8 +88,10 @@ class CompiledBlocks:
             for experts in experts_of(blocks[i]):
                 self._experts.append((experts, experts.__dict__.get("forward")))
                 experts.forward = _outside_graphs(experts, experts.forward)  # type: ignore[method-assign]
-        self._compiled: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
-        self._failed: set[tuple[Callable[..., Any], bool]] = set()
+        # by (class function, matmuls_only, around experts): one class can hold blocks of both kinds (Qwen3-MoE's
+        # dense mlp_only_layers), whose kept blocks compile differently
+        self._compiled: dict[tuple[Callable[..., Any], bool, bool], Callable[..., Any]] = {}
+        self._failed: set[tuple[Callable[..., Any], bool, bool]] = set()
 
     @property
     def whole(self) -> bool:
@@ -100,7 +102,7 @@ class CompiledBlocks:
         """Whether block ``block``'s next call (its class function ``original``; ``matmuls_only``: saving matmul
         outputs only) runs compiled."""
         return (self.enabled and block in self.checked and block not in self.eager
-                and (original, matmuls_only) not in self._failed
+                and (original, matmuls_only, block in self.around_experts) not in self._failed
                 and not side_outputs.recording())
 
     def call(self, block: int, original: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -110,7 +112,7 @@ class CompiledBlocks:
         under ``matmuls_only`` runs without selective saving (this call's graph keeps every activation; later
         calls take the eager selective path, ``runs(..., matmuls_only=True)`` being False)."""
         around_experts = block in self.around_experts
-        key = (original, matmuls_only)
+        key = (original, matmuls_only, around_experts)
         fn = self._compiled.get(key)
         if fn is None:
             # fullgraph: a graph break inside the checkpoint would run it eager, and its recompute would then
