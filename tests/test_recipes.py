@@ -29,6 +29,21 @@ def test_moe_router_loss_recipe_matches_the_default_strategy() -> None:
     assert len(out["megatrain"]["idle_experts_per_step"]) == 3
 
 
+@pytest.mark.slow
+def test_moe_layer_recipe_compiles_around_the_experts_and_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """recipes/moe_layer.py --compile: the layers compiled with the experts eager and compiled whole both run (a
+    variant that fails is an "error" row and exit code 1), as near the fp64 reference as eager fp32."""
+    assert load("moe_layer").main(["--small", "--micro-batch", "1", "--seq-len", "64", "--reps", "1", "--attn",
+                                   "fused_sinks", "--experts", "grouped_mm_gather", "--compile"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| attn=")]
+    errors = {row.split("|")[1].strip(): [float(e) for e in row.split("|")[5].split()] for row in rows}
+    base = "attn=fused_sinks experts=grouped_mm_gather"
+    assert set(errors) == {"attn=eager experts=eager", base, f"{base} compiled, experts eager", f"{base} compiled"}
+    for compiled in (f"{base} compiled, experts eager", f"{base} compiled"):
+        assert errors[compiled][0] < 1e-6  # the layer outputs
+        assert all(c < 3 * max(e, 1e-6) for c, e in zip(errors[compiled], errors["attn=eager experts=eager"]))
+
+
 def test_moe_layer_recipe_smoke_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     """recipes/moe_layer.py --small: every variant runs, and fused_sinks lands as close to the fp64 reference
     as fp32 eager attention does (the table's first row)."""
