@@ -114,6 +114,11 @@ BAD_INPUT = {
          "metamath (query, response", "alpaca (instruction, input, output)", "sharegpt", "data.query_key"],
     ),
     "zero batch size": (["data.batch_size=0"], ["error: data.batch_size=0: expected a positive integer"]),
+    "special token outside a shrunk vocabulary": (
+        ["model=gpt_oss_20b", "model.config.vocab_size=512"],
+        ["error: model.config.pad_token_id=199999 is outside the vocabulary (model.config.vocab_size=512)",
+         "Set model.config.pad_token_id below 512 (or null), or raise vocab_size"],
+    ),
     "max_steps not a number": (["trainer.max_steps=abc"], ["error: trainer.max_steps='abc': expected an integer", "trainer.max_steps=-1"]),
     "misspelt trainer key": (["+trainer.max_step=5"], ["error: trainer.max_step: Trainer has no parameter 'max_step'", "did you mean trainer.max_steps?"]),
     "too big for host memory": (

@@ -34,9 +34,19 @@ def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     if model_type is None:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, qwen3, mistral, gpt_oss)")
     try:
-        return AutoConfig.for_model(model_type, **params)
+        built = AutoConfig.for_model(model_type, **params)
     except ValueError as err:
         raise ConfigError(f"model.config.model_type={model_type!r} is not a transformers model type") from err
+    vocab = getattr(built, "vocab_size", None)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = getattr(built, key, None)
+        listed = ids if isinstance(ids, (list, tuple)) else [ids]
+        outside = [i for i in listed if isinstance(i, int) and vocab and i >= vocab]
+        if outside:
+            raise ConfigError(
+                f"model.config.{key}={ids} is outside the vocabulary (model.config.vocab_size={vocab}): the embedding "
+                f"has no row {outside[0]}. Set model.config.{key} below {vocab} (or null), or raise vocab_size")
+    return built
 
 
 def pretrained_config(path: str) -> PretrainedConfig:
