@@ -92,9 +92,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     ``ROUTED_SECONDS_PER_ELEMENT``), plus 2 x the MLP's parameters when it runs in chunks (each chunk's
     forward again in the backward); the head 2 forward + 4 backward (the chunked loss takes each chunk's
     gradients in its forward: ``models/head_loss.py``); causal attention 2·L·H·Q·T per pass (forward,
-    recompute, twice in the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it was charged
-    whole at the matmuls' rate, 0.3 of the peak in effect: 64% too slow at 128 K tokens). Copies: a cached block's weights
-    once per step, every other block's twice per micro-batch (forward and recompute), the resident fp32
+    recompute, twice in the backward) at its own rate, ``ATTENTION_EFFICIENCY`` of the peak (until 2026-12-03 it
+    was charged whole at the matmuls' rate, 0.3 of the peak in effect: 64% too slow at 128 K tokens). Copies: a
+    cached block's weights once per step, every other block's twice per micro-batch (forward and recompute), the resident fp32
     masters once per step; every gradient once per micro-batch back; each offloaded saved input to the host
     in the forward and back in the backward. Host work beside the backward: from the second micro-batch
     on, the worker adds each block's staged gradient into its fp32 accumulator (12 host bytes/param
