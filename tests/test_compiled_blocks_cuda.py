@@ -48,19 +48,25 @@ def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-def test_cuda_compiled_blocks_fp32_parity(no_tf32: None, compiled_calls: list[bool]) -> None:  # noqa: F811 (the fixture)
-    factory = _fp32_factory()
-    ref = fit(factory, None, max_steps=20, precision="32-true", **CUDA)
-    got = fit(factory, megatrain(**{**STREAMING, "slots": 3, "keep_activations": 2, "kept_saves": "matmuls",
-                                    "compile_blocks": True}), max_steps=20, precision="32-true", **CUDA)
+def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int, compiled_calls: list[bool]) -> None:
+    """``steps`` fp32 steps (TF32 off) with ``placement`` compiled against Lightning's default strategy, at the bar of
+    the eager path (tests/test_parity_cuda.py (a)): every loss within 1e-4, every weight within 1e-3."""
+    ref = fit(factory, None, max_steps=steps, precision="32-true", **CUDA)
+    got = fit(factory, megatrain(**{**STREAMING, **placement, "compile_blocks": True}), max_steps=steps,
+              precision="32-true", **CUDA)
     assert_is_megatrain(got)
     worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
     worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
-    print(f"\n(a) compiled, fp32 TF32-off, keep 2 (matmuls) of 6, 20 steps: worst loss rel diff {worst_loss:.2e}, "
-          f"worst param {worst_param:.2e}; {len(compiled_calls)} compiled block calls")
+    print(f"\n{label}, fp32 TF32-off, {steps} steps: worst loss rel diff {worst_loss:.2e}, worst param "
+          f"{worst_param:.2e}; {len(compiled_calls)} compiled block calls")
     assert len(compiled_calls) > 0
     compare_losses(ref.losses, got.losses, rtol=1e-4)
     compare_states(ref.state, got.state, rtol=1e-3)
+
+
+def test_cuda_compiled_blocks_fp32_parity(no_tf32: None, compiled_calls: list[bool]) -> None:  # noqa: F811 (the fixture)
+    _compiled_fp32_parity("(a) compiled, keep 2 (matmuls) of 6", _fp32_factory(),
+                          {"slots": 3, "keep_activations": 2, "kept_saves": "matmuls"}, 20, compiled_calls)
 
 
 def _llama_100m(steps: int) -> Any:
@@ -139,14 +145,5 @@ def test_cuda_liger_kernel_keeps_whole_activations(compiled_calls: list[bool], m
 def test_cuda_moe_compiled_around_its_experts_fp32_parity(no_tf32: None,  # noqa: F811 (the fixture)
                                                           compiled_calls: list[bool]) -> None:
     factory = partial(ZOO["gpt_oss"], experts_implementation="grouped_mm_gather", optimizer="adamw", lr=3e-3)
-    ref = fit(factory, None, max_steps=10, precision="32-true", **CUDA)
-    placement = {**STREAMING, "keep_activations": 1, "kept_saves": "matmuls", "compile_blocks": True}
-    got = fit(factory, megatrain(**placement), max_steps=10, precision="32-true", **CUDA)
-    assert_is_megatrain(got)
-    worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
-    worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
-    print(f"\n(d) GPT-OSS compiled around its experts, fp32 TF32-off, keep 1 (matmuls), 10 steps: worst loss rel diff "
-          f"{worst_loss:.2e}, worst param {worst_param:.2e}; {len(compiled_calls)} compiled block calls")
-    assert len(compiled_calls) > 0
-    compare_losses(ref.losses, got.losses, rtol=1e-4)
-    compare_states(ref.state, got.state, rtol=1e-3)
+    _compiled_fp32_parity("(d) GPT-OSS compiled around its experts, keep 1 (matmuls)", factory,
+                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)
