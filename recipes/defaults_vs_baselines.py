@@ -53,7 +53,7 @@ def engine_fields(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _config(model: str) -> Any:
+def _config(model: str, layers: int | None = None) -> Any:
     from omegaconf import OmegaConf
 
     from megatrain_lightning.conf_dir import config_dir
@@ -62,18 +62,26 @@ def _config(model: str) -> Any:
     cfg = OmegaConf.load(config_dir() / "model" / f"{model}.yaml")
     config = hf_config(OmegaConf.to_container(cfg.config, resolve=True))
     config.use_cache = False
+    if layers:  # the model cut to its first `layers` blocks (a shape whose whole does not fit the GPU or the host)
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
     return config
 
 
-def _flops_per_token(model: str, seq: int) -> float:
+def _flops_per_token(model: str, seq: int, layers: int | None = None) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
     from megatrain_lightning.plan import PlanShape
 
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(_config(model))
+        meta = AutoModelForCausalLM.from_config(_config(model, layers))
     return PlanShape.of(meta).model_flops_per_token(seq)
+
+
+def _label(args: argparse.Namespace) -> str:
+    return f"{args.model} ({args.layers} layers)" if args.layers else args.model
 
 
 def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -90,7 +98,7 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 return
             from transformers import AutoModelForCausalLM
 
-            self.model = AutoModelForCausalLM.from_config(_config(args.model), attn_implementation="sdpa")
+            self.model = AutoModelForCausalLM.from_config(_config(args.model, args.layers), attn_implementation="sdpa")
             if args.liger:  # what a user who wants Liger's kernels writes in their own module
                 from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -138,7 +146,7 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy = "auto"
     steps = args.warmup + args.steps
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, _config(args.model).vocab_size, (steps * args.micro_batch * args.accumulate, args.seq_len),
+    data = torch.randint(0, _config(args.model, args.layers).vocab_size, (steps * args.micro_batch * args.accumulate, args.seq_len),
                          generator=g)
     timer = Timer()
     trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=steps,
@@ -149,9 +157,9 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     assert len(timer.ends) == last + 1, (len(timer.ends), last)
     step = (timer.ends[last] - timer.ends[first]) / args.steps
     tokens = args.micro_batch * args.seq_len * args.accumulate
-    row = dict(mode=mode, model=args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
+    row = dict(mode=mode, model=_label(args), micro_batch=args.micro_batch, seq_len=args.seq_len,
                accumulate=args.accumulate, step_s=round(step, 4), tokens_per_s=round(tokens / step),
-               tflops=round(tokens / step * _flops_per_token(args.model, args.seq_len) / 1e12, 1),
+               tflops=round(tokens / step * _flops_per_token(args.model, args.seq_len, args.layers) / 1e12, 1),
                peak_gpu_mem_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
                peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                wall_s=round(time.perf_counter() - t0, 1),
@@ -166,6 +174,7 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2_5_3b")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to its first N blocks")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--accumulate", type=int, default=1)
@@ -195,7 +204,7 @@ def main() -> int:
             status = "ok" if proc.returncode == 0 and line else f"error (exit {proc.returncode})"
         except subprocess.TimeoutExpired:
             proc, line, status = None, None, f"timed out after {args.timeout} s"
-        row = json.loads(line[4:]) if line else dict(mode=mode, model=args.model)
+        row = json.loads(line[4:]) if line else dict(mode=mode, model=_label(args))
         if mode == "megatrain-set":
             row["mode"] = "megatrain " + " ".join(args.engine)  # what was set, not "default"
         if args.liger:
@@ -220,7 +229,8 @@ def main() -> int:
         for r, mode in zip(rows, args.modes):
             r.update(date=str(datetime.date.today()), strategy=r["mode"], params=None,
                      machine=f"{machine}: {gpu}, torch {torch.__version__}, transformers {transformers.__version__}",
-                     command=f"python recipes/defaults_vs_baselines.py --model {args.model} --micro-batch "
+                     command=f"python recipes/defaults_vs_baselines.py --model {args.model} "
+                             + (f"--layers {args.layers} " if args.layers else "") + "--micro-batch "
                              f"{args.micro_batch} --seq-len {args.seq_len} --accumulate {args.accumulate} "
                              + ("--liger " if args.liger else "") + "--modes "
                              + ("megatrain-set --engine " + " ".join(args.engine) if mode == "megatrain-set" else mode))

@@ -1,13 +1,15 @@
-# python recipes/moe_layer.py --micro-batch 16 --seq-len 2048 [--attn eager,flex_attention,fused_sinks] [--small]
-"""One streamed block's work for a mixture of experts: GPT-OSS-20B-shaped decoder layers, forward and backward.
+# python recipes/moe_layer.py --micro-batch 16 --seq-len 2048 [--shape gpt-oss|qwen3] [--attn ...] [--small]
+"""One streamed block's work for a mixture of experts: GPT-OSS-20B- or Qwen3-30B-A3B-shaped decoder layers,
+forward and backward.
 
-Builds a Hugging Face GPT-OSS model of `--layers` real-shape layers (alternating sliding-window and full
-attention, 32 experts top-4) in bf16 on the GPU, feeds it `inputs_embeds` of micro-batch x seq tokens, and
-times forward + backward (CUDA events, median of `--reps` after one warm-up) for each attention
-implementation x expert implementation. Prints per layer: ms, model TFLOPS counting active parameters
+Builds a Hugging Face model of `--layers` real-shape layers in bf16 on the GPU (`--shape gpt-oss`: alternating
+sliding-window and full attention with sinks, 32 experts top-4, hidden 2880; `--shape qwen3`: 128 experts top-8
+of intermediate 768, hidden 2048, QK-norm, attention `sdpa` by default), feeds it `inputs_embeds` of
+micro-batch x seq tokens, and times forward + backward (CUDA events, median of `--reps` after one warm-up) for
+each attention implementation x expert implementation. Prints per layer: ms, model TFLOPS counting active parameters
 (6 x active params + 12 x heads x head_dim x seq per token, attention counted whole), peak GPU memory; and,
 at micro-batch 1, each variant's relative error against an fp64 eager reference on the same weights
-(output, the sinks' gradient, a query projection's gradient, the router's gradient).
+(output, and the gradients of the parameters the table's header names).
 
 `--compile` adds, for each variant, the layers run through `torch.compile` (each layer's forward; its own
 row): "compiled, experts eager" (the experts' forward under `torch.compiler.disable`: a graph break on each
@@ -30,10 +32,34 @@ import torch
 from megatrain_lightning.models import sink_attention  # noqa: E402  registers attn_implementation="fused_sinks"
 
 
+# per shape: the attention implementations timed by default, and the parameters whose gradients are checked
+DEFAULT_ATTN = {"gpt-oss": "eager,flex_attention,fused_sinks", "qwen3": "sdpa"}
+WATCH = {
+    "gpt-oss": ["layers.0.self_attn.sinks", "layers.1.self_attn.sinks", "layers.1.self_attn.q_proj.weight",
+                "layers.1.mlp.router.weight", "layers.1.mlp.experts.gate_up_proj_bias", "layers.1.mlp.experts.down_proj"],
+    "qwen3": ["layers.1.self_attn.q_proj.weight", "layers.1.self_attn.q_norm.weight", "layers.1.mlp.gate.weight",
+              "layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"],
+}
+
+
 def build(args: argparse.Namespace, device: str, dtype: torch.dtype):
+    small = args.small
+    if args.shape == "qwen3":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            vocab_size=256, hidden_size=256 if small else 2048, intermediate_size=512 if small else 6144,
+            moe_intermediate_size=128 if small else 768, head_dim=32 if small else 128,
+            num_attention_heads=8 if small else 32, num_key_value_heads=2 if small else 4,
+            num_hidden_layers=args.layers, num_experts=8 if small else 128, num_experts_per_tok=2 if small else 8,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+            attn_implementation="eager", experts_implementation="eager",
+        )
+        torch.manual_seed(0)
+        with torch.device(device):
+            return Qwen3MoeForCausalLM(config).model.to(dtype), config
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    small = args.small
     config = GptOssConfig(
         vocab_size=256, hidden_size=256 if small else 2880, intermediate_size=256 if small else 2880,
         head_dim=64, num_attention_heads=8 if small else 64, num_key_value_heads=2 if small else 8,
@@ -54,8 +80,10 @@ def build(args: argparse.Namespace, device: str, dtype: torch.dtype):
 def active_flops_per_token(config, seq: int) -> float:
     h, d, hq, hkv = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
     attn = h * (hq + 2 * hkv) * d + hq * d * h
-    experts = config.num_experts_per_tok * (h * 2 * config.intermediate_size + config.intermediate_size * h)
-    router = config.num_local_experts * h
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Qwen3-MoE: the experts'
+    experts = config.num_experts_per_tok * (h * 2 * inter + inter * h)
+    router = getattr(config, "num_local_experts", None) or config.num_experts
+    router *= h
     return 6 * (attn + experts + router) + 12 * hq * d * seq
 
 
@@ -64,7 +92,9 @@ def run(model, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p.grad = None
     x = x.detach().requires_grad_()
     out = model(inputs_embeds=x).last_hidden_state
-    out.float().pow(2).mean().backward()
+    # not out.pow(2).mean(): the final RMSNorm makes each row's mean square 1 whatever the weights, so that loss's
+    # true gradients are ~0 and what backward returns is rounding (10 % apart between fp32 and fp64)
+    out.float().sum(dim=-1).pow(2).mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads
 
@@ -105,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--attn", default="eager,flex_attention,fused_sinks")
+    ap.add_argument("--shape", choices=sorted(DEFAULT_ATTN), default="gpt-oss")
+    ap.add_argument("--attn", default=None, help="comma-separated attention implementations (default: per shape, "
+                    + "; ".join(f"{k}: {v}" for k, v in DEFAULT_ATTN.items()) + ")")
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--compile", action="store_true",
                     help="each variant also with its layers compiled: experts eager, and experts compiled")
@@ -116,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the errors of an fp32 copy (TF32 off) of each variant, not of the bf16 model: in bf16 the "
                          "routing itself differs from fp64's, and every variant's gradients with it")
     args = ap.parse_args(argv)
+    args.attn = args.attn or DEFAULT_ATTN[args.shape]
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model, config = build(args, device, dtype)
@@ -126,13 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     # accuracy at micro-batch 1 against an fp32 eager reference on the same weights
     seq = args.seq_len
     x1 = torch.randn(1, seq, config.hidden_size, device=device, generator=torch.Generator(device).manual_seed(1))
-    ref_model = copy.deepcopy(model).double()  # fp64: fp32 eager itself is ~1e-2 off in some gradients
+    ref_model = copy.deepcopy(model).double()  # fp32 eager lands within ~1e-6 of it on the CPU
     ref_model.set_attn_implementation("eager")
     ref_model.set_experts_implementation("eager")
     ref_out, ref_grads = run(ref_model, x1.double())
     del ref_model
-    watch = ["layers.0.self_attn.sinks", "layers.1.self_attn.sinks", "layers.1.self_attn.q_proj.weight",
-             "layers.1.mlp.router.weight", "layers.1.mlp.experts.gate_up_proj_bias", "layers.1.mlp.experts.down_proj"]
+    watch = WATCH[args.shape]
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a.double() - b).norm() / b.norm()).item()
@@ -195,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, lines in kernels:
         print(f"\n{label}: costliest kernels of one forward + backward")
         print("\n".join(lines))
-    print(f"\nGPT-OSS layer x {args.layers}, {args.micro_batch} x {seq} tokens, {device} {dtype}, "
+    print(f"\n{args.shape} layer x {args.layers}, {args.micro_batch} x {seq} tokens, {device} {dtype}, "
           f"torch {torch.__version__}")
-    print("| variant | ms/layer fwd+bwd | model TFLOPS (active) | peak reserved GiB | rel err: out, sinks0, sinks1, q_proj1, router1, experts1 gate_up bias, experts1 down (mb 1 vs fp64 eager"
-          f"{', fp32 copy' if args.check_fp32 else ''}) |")
+    names = ", ".join(n.removeprefix("layers.").replace(".self_attn", "").replace(".mlp", "") for n in watch)
+    print(f"| variant | ms/layer fwd+bwd | model TFLOPS (active) | peak reserved GiB | rel err: out, {names} (mb 1 "
+          f"vs fp64 eager{', fp32 copy' if args.check_fp32 else ''}) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
         print("| " + " | ".join(r) + " |")

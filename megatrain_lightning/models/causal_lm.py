@@ -62,9 +62,12 @@ def packed_inputs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch
                           f"{transformers.__version__}: upgrade it or set data.packing=false") from None
     dtype = model.get_input_embeddings().weight.dtype  # what transformers derives an eager mask's fill from
     shape_only = torch.empty((*input_ids.shape, 0), dtype=dtype, device=input_ids.device)  # [B, T, 0]
-    kwargs = dict(config=config, inputs_embeds=shape_only, attention_mask=None, cache=None, position_ids=position_ids)
-    full = create_causal_mask(**kwargs)
-    sliding = create_sliding_window_causal_mask(**kwargs) if getattr(config, "sliding_window", None) else None
+    # (config, inputs_embeds, attention_mask, cache) by position: transformers 5 renamed the last one
+    # (`past_key_values` in 5.17-5.20, `cache` by 5.25)
+    args = (config, shape_only, None, None)
+    full = create_causal_mask(*args, position_ids=position_ids)
+    sliding = (create_sliding_window_causal_mask(*args, position_ids=position_ids)
+               if getattr(config, "sliding_window", None) else None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         mask: Any = {t: sliding if t == "sliding_attention" else full for t in set(layer_types)}
