@@ -3,7 +3,9 @@
 Rules, in order:
 
 1. ``block_class`` given (a class, a class name, or several): every outermost submodule of that class.
-2. Hugging Face models: the classes named in ``_no_split_modules`` (their decoder layers).
+2. Hugging Face models: the classes named in ``_no_split_modules`` (their decoder layers), less a class
+   with one instance whose weights the rest of the model shares (BERT's embeddings, tied to its MLM
+   decoder): that one stays resident.
 3. Otherwise: every outermost ``nn.ModuleList`` / ``nn.Sequential`` whose children are two or more
    modules of one class with parameters (``model.layers``, ``TransformerEncoder.layers``, both lists of
    ``nn.Transformer``, a user's own block list).
@@ -95,7 +97,7 @@ def find_blocks(root: nn.Module, block_class: type | str | Sequence[type | str] 
         for m in root.modules():
             names = getattr(m, "_no_split_modules", None)
             if names and hasattr(m, "config"):
-                blocks = _outermost(root, list(names))
+                blocks = _untied_singletons(root, _outermost(root, list(names)))
                 break
         if not blocks:
             blocks, mixed = _repeated_lists(root)
@@ -110,7 +112,7 @@ def find_blocks(root: nn.Module, block_class: type | str | Sequence[type | str] 
                     f"MegaTrainStrategy found no repeated blocks in {type(root).__name__}: it streams the "
                     "layers of a ModuleList of same-class blocks (such as `model.layers`), one at a time."
                     f"{hint} If the model has such layers under another structure, pass "
-                    "MegaTrainStrategy(block_class=\"YourBlockClass\")."
+                    f"MegaTrainStrategy(block_class=...){_suggest(root)}."
                 )
     _check_no_sharing(root, blocks)
     return blocks
@@ -131,12 +133,50 @@ def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
             if id(p) in owner and owner[id(p)] != name:
                 raise BlockDetectionError(
                     f"blocks {owner[id(p)]} and {name} share the parameter {pname}: shared weights cannot be "
-                    "streamed per block. Untie them, or pass block_class to stream a level without sharing."
+                    f"streamed per block. Untie them, or pass block_class to stream a level without sharing"
+                    f"{_suggest(root)}."
                 )
             owner[id(p)] = name
     for pname, p in root.named_parameters(remove_duplicate=False):
         if id(p) in owner and not pname.startswith(owner[id(p)] + "."):
             raise BlockDetectionError(
                 f"{pname} is the same parameter as one inside block {owner[id(p)]}: a weight shared between "
-                "a streamed block and the rest of the model cannot be streamed. Untie it, or pass block_class."
+                f"a streamed block and the rest of the model cannot be streamed. Untie it, or pass "
+                f"block_class{_suggest(root)}."
             )
+
+
+def _shares_outside(root: nn.Module, path: str, module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` (at ``path``) is also reached from outside it."""
+    own = {id(p) for p in module.parameters()}
+    return any(id(p) in own and not name.startswith(path + ".")
+               for name, p in root.named_parameters(remove_duplicate=False))
+
+
+def _untied_singletons(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``blocks`` less each one that is its class's only instance and shares weights with the rest of the
+    model (an embedding tied to an output layer): resident, as in any decoder whose embeddings are tied."""
+    count: dict[type, int] = {}
+    for _, b in blocks:
+        count[type(b)] = count.get(type(b), 0) + 1
+    return [(n, b) for n, b in blocks if count[type(b)] > 1 or not _shares_outside(root, n, b)]
+
+
+def _suggest(root: nn.Module) -> str:
+    """`` (block_class="A" or "B" would stream ...)``: the classes listed in a ModuleList / Sequential whose
+    instances share no weight with anything outside themselves, most instances first; '' if none."""
+    members: dict[type, list[tuple[str, nn.Module]]] = {}
+    for path, m in root.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            for n, c in m.named_children():
+                if _has_params(c):
+                    members.setdefault(type(c), [])
+    for path, m in root.named_modules(remove_duplicate=False):
+        if type(m) in members:
+            members[type(m)].append((path, m))
+    ok = [(len(found), c.__name__) for c, found in members.items()
+          if len({id(m) for _, m in found}) == len(found) and not any(_shares_outside(root, p, m) for p, m in found)]
+    if not ok:
+        return ""
+    names = [n for _, n in sorted(ok, key=lambda x: (-x[0], x[1]))[:3]]
+    return f" (block_class={' or '.join(repr(n) for n in names)} would stream a level that shares no weights)"

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 
-from compat_zoo import DIM, TokenBlocks, VectorBlocks, assert_exact, compare_losses, max_abs_diff, parity_or_refusal
+from compat_zoo import (DIM, BatchCounter, TokenBlocks, VectorBlocks, assert_exact, compare_losses, max_abs_diff,
+                        parity_or_refusal)
 from conftest import fit
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -175,3 +176,70 @@ class UnregisteredTie(TokenBlocks):
 def test_block_parameter_used_outside_its_block(factory: Any, names: list[str]) -> None:
     """Exact, or refused at setup naming the parameter (or module) read outside its block."""
     parity_or_refusal(factory, names=names, max_steps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# a resident parameter read inside a block
+# ---------------------------------------------------------------------------------------------
+class GainBlock(nn.Module):
+    """MLPBlock whose hidden state is scaled by the model's ``gain``: read through a plain attribute
+    (``owner``, not a registered submodule) or handed in as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.owner: list[nn.Module] = []
+
+    def forward(self, x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        gain = self.owner[0].gain if gain is None else gain
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x) * gain)))
+
+
+class GainRead(TokenBlocks):
+    """A root parameter ``gain`` that every block reads through its ``owner`` attribute."""
+
+    block_cls = GainBlock
+    passed = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gain = nn.Parameter(torch.full((DIM,), 1.5))
+        for block in self.blocks:
+            block.owner = [self]
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, self.gain) if self.passed else block(h)
+        return self.norm(h)
+
+
+class GainPassed(GainRead):
+    passed = True
+
+
+def test_resident_parameter_read_inside_a_block_is_refused_before_any_update() -> None:
+    """Read through a plain attribute, ``gain`` would get no gradient from the streamed blocks (their backward
+    differentiates their own weights and inputs): refused in the first forward, naming it and the block class,
+    the weights as they were."""
+    counter, built = BatchCounter(), []
+
+    def factory() -> GainRead:
+        built.append(GainRead())
+        built.append(copy.deepcopy(built[0].state_dict()))
+        return built[0]
+
+    with pytest.raises(RuntimeError, match=r"\(GainBlock\) exactly: its forward reads gain, which it is not streamed"):
+        fit(factory, "megatrain", max_steps=2, callbacks=[counter])
+    assert counter.batches == 1
+    module, before = built
+    after = module.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k].cpu())]
+    assert not changed, f"weights changed in the refused step: {changed}"
+
+
+def test_resident_parameter_passed_to_the_blocks_trains_exactly() -> None:
+    """The fix the refusal names: the same parameter handed to each block as an argument gets its gradient."""
+    ref, got, refused = parity_or_refusal(GainPassed, names=["gain"], max_steps=4)
+    assert refused is None and got is not None
+    assert not torch.equal(ref.init_state["gain"], ref.state["gain"])

@@ -3,11 +3,13 @@
 Outside a step the block is a plain host module. In a step, a call without grad runs the block on its
 streamed weights and returns; a call with grad goes through :class:`~.block.StreamedBlock`, which keeps
 only the block's inputs and recomputes it in the backward. A Hugging Face decoder layer's KV cache is
-switched off first: the recompute must not append to it a second time.
+switched off in calls with grad: the recompute must not append to it a second time (calls without grad,
+``generate()``'s, run once and keep it).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -26,13 +28,13 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
         if not state.step_open and state.phase is Phase.IDLE:
             return original(block, *args, **kwargs)  # outside a step: a plain host module
         # (in a step, or in its backward after the step function returned: a user's checkpoint recompute)
-        no_kv_cache(kwargs)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # runs once: a KV cache fills as without the strategy (generate())
             weights = engine.acquire(index)
             try:
                 return engine.run_forward(index, args, kwargs, weights=weights)
             finally:
                 engine.release(index)
+        args = no_kv_cache(args, kwargs, index, block)
         state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
         spec = CallSpec(args, kwargs)
         if engine.meter.active:
@@ -51,9 +53,10 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
 def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any = None,
               matmuls_only: bool = False, eager: bool = False) -> Any:
     """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired, and released after,
-    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone.
-    Compiled where ``engine.compiled`` runs it (``compiled.py``) unless ``eager``; ``matmuls_only`` (compiled
-    calls only): the compiled graph saves matmul and attention outputs only."""
+    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone and
+    reads no parameter beyond its inputs and weights (``params.OutsideUse.first_call``). Compiled where
+    ``engine.compiled`` runs it (``compiled.py``) unless ``eager``; ``matmuls_only`` (compiled calls only): the
+    compiled graph saves matmul and attention outputs only."""
     release = weights is None
     if weights is None:
         weights = engine.acquire(block)
@@ -62,7 +65,10 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
     original = engine.original_forwards[block]
     try:
         with binding.bound(weights, check=check):
-            if not eager and engine.compiled.runs(block, original, matmuls_only):
+            if check:  # the first call, eager: refuses parameters read beyond its inputs and weights (params.py)
+                out = engine.outside.first_call(block, lambda a, kw: original(engine.blocks[block], *a, **kw),
+                                                args, kwargs, weights)
+            elif not eager and engine.compiled.runs(block, original, matmuls_only):
                 out = engine.compiled.call(block, original, engine.blocks[block], args, kwargs, matmuls_only)
             else:
                 out = original(engine.blocks[block], *args, **kwargs)
@@ -93,10 +99,35 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def no_kv_cache(kwargs: dict) -> None:
-    """Hugging Face decoder layers: a recomputed layer must not append to a KV cache a second time."""
+def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tuple:
+    """A call with grad to a Hugging Face layer: its recompute in the backward must not append to a KV cache a
+    second time (its attention would run over the forward's keys and the recompute's, the forward's detached:
+    silently wrong gradients). ``kwargs``'s cache keywords and any transformers ``Cache`` among ``args`` or
+    ``kwargs`` become None (GPT-2, ImageGPT and others pass the cache by position), in place for ``kwargs``;
+    returns the args. A cache that already holds tokens (prefix tuning's virtual tokens, a continued sequence)
+    is what the layer attends to: refused, since the block's inputs would not carry its gradient."""
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
+    cache_utils = sys.modules.get("transformers.cache_utils")  # no Cache object exists before it is imported
+    caches = [v for v in (*args, *kwargs.values()) if cache_utils is not None and isinstance(v, cache_utils.Cache)]
+    for cache in caches:
+        try:
+            held = cache.get_seq_length()
+        except Exception:  # noqa: BLE001 -- a cache type that cannot say (a hybrid model's): treated as empty
+            held = 0
+        if held:
+            raise RuntimeError(
+                f"MegaTrainStrategy cannot train streamed block {index} ({type(block).__name__}) exactly: it is "
+                f"handed a KV cache that already holds {held} tokens ({type(cache).__name__}: peft's prefix tuning, "
+                "or training on a continuation with past_key_values), whose keys and values a streamed block "
+                "cannot differentiate through. Train without past key values (peft: LoRA or prompt tuning "
+                "instead of prefix tuning), or with the default strategy.")
     for key in ("past_key_values", "past_key_value", "cache", "layer_past"):
         if key in kwargs:
             kwargs[key] = None
+    for key, value in kwargs.items():
+        if any(value is c for c in caches):
+            kwargs[key] = None
+    if caches:
+        args = tuple(None if any(a is c for c in caches) else a for a in args)
+    return args
