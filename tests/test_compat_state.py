@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 
-from compat_zoo import (DIM, BatchCounter, TokenBlocks, VectorBlocks, assert_exact, compare_losses, max_abs_diff,
-                        parity_or_refusal)
-from conftest import fit
+from compat_zoo import (DIM, BatchCounter, MLPBlock, TokenBlocks, VectorBlocks, assert_exact, compare_losses,
+                        max_abs_diff, parity_or_refusal)
+from conftest import fit, megatrain
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -243,3 +243,34 @@ def test_resident_parameter_passed_to_the_blocks_trains_exactly() -> None:
     ref, got, refused = parity_or_refusal(GainPassed, names=["gain"], max_steps=4)
     assert refused is None and got is not None
     assert not torch.equal(ref.init_state["gain"], ref.state["gain"])
+
+
+class InPlaceInputBlock(MLPBlock):
+    """Scales its input in place before the usual MLP: fine under the default strategy (nothing saved that
+    tensor), but a streamed block recomputes from its saved input, which the forward has changed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.9)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class InPlaceInput(TokenBlocks):
+    block_cls = InPlaceInputBlock
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) * 1.0  # the first block's input is not the embedding's weight view
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("options", [{}, {"keep_activations": 3}], ids=["recomputed", "kept"])
+def test_block_changing_its_input_in_place_is_refused_at_its_first_forward(options: dict) -> None:
+    """The reference trains; under megatrain the first forward is refused naming the block and the fix (a kept
+    block's inputs are leaves, where autograd's own error is replaced by the strategy's)."""
+    fit(InPlaceInput, None, max_steps=2)
+    counter = BatchCounter()
+    with pytest.raises(RuntimeError, match=r"block 0 \(InPlaceInputBlock\) exactly: its forward changes one of its "
+                                           r"input tensors \(or weights\) in place.*x = x \* a"):
+        fit(InPlaceInput, megatrain(**options), max_steps=2, callbacks=[counter])
+    assert counter.batches == 1

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .block import CallSpec, StreamedBlock
 from .phase import Phase
@@ -63,17 +64,30 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
     binding = engine.bindings[block]
     check = block not in engine.checked_blocks
     original = engine.original_forwards[block]
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if check else []
+    versions = [t._version for t in inputs]  # the first call must leave its inputs as they are, too
     try:
         with binding.bound(weights, check=check):
             if check:  # the first call, eager: refuses parameters read beyond its inputs and weights (params.py)
-                out = engine.outside.first_call(block, lambda a, kw: original(engine.blocks[block], *a, **kw),
-                                                args, kwargs, weights)
+                try:
+                    out = engine.outside.first_call(block, lambda a, kw: original(engine.blocks[block], *a, **kw),
+                                                    args, kwargs, weights)
+                except RuntimeError as err:  # a kept block's inputs are leaves that require grad
+                    if "leaf Variable that requires grad is being used in an in-place operation" not in str(err):
+                        raise
+                    versions = [-1] * len(inputs)
             elif not eager and engine.compiled.runs(block, original, matmuls_only):
                 out = engine.compiled.call(block, original, engine.blocks[block], args, kwargs, matmuls_only)
             else:
                 out = original(engine.blocks[block], *args, **kwargs)
         if check:
             engine.checked_blocks.add(block)
+            if any(t._version != v for t, v in zip(inputs, versions)):
+                raise RuntimeError(
+                    f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: "
+                    "its forward changes one of its input tensors (or weights) in place, and a streamed block "
+                    "runs its forward again from its saved inputs in the backward's recompute. Compute out of place "
+                    "(x = x * a, not x.mul_(a); x = x + y, not x += y), or stream another level with block_class=...")
             changed = binding.mutated_buffers()
             if changed:
                 raise RuntimeError(
