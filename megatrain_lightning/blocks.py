@@ -112,7 +112,7 @@ def find_blocks(root: nn.Module, block_class: type | str | Sequence[type | str] 
                     f"MegaTrainStrategy found no repeated blocks in {type(root).__name__}: it streams the "
                     "layers of a ModuleList of same-class blocks (such as `model.layers`), one at a time."
                     f"{hint} If the model has such layers under another structure, pass "
-                    f"MegaTrainStrategy(block_class=...){_suggest(root)}."
+                    f"MegaTrainStrategy(block_class=...){_suggest(root) or _NOTHING_TO_STREAM}."
                 )
     _check_no_sharing(root, blocks)
     return blocks
@@ -144,6 +144,10 @@ def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
                 f"a streamed block and the rest of the model cannot be streamed. Untie it, or pass "
                 f"block_class{_suggest(root)}."
             )
+
+
+_NOTHING_TO_STREAM = ("; a model without repeated blocks has nothing to stream (its whole state is what a "
+                      "streamed block would hold): train it with Lightning's default strategy")
 
 
 def _shares_outside(root: nn.Module, path: str, module: nn.Module) -> bool:
