@@ -167,12 +167,13 @@ def _untied_singletons(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> 
 
 
 def _suggest(root: nn.Module) -> str:
-    """`` (block_class="A" or "B" would stream ...)``: the classes listed in a ModuleList / Sequential whose
-    instances share no weight with anything outside themselves, most instances first; '' if none."""
+    """`` (block_class='A' or 'B' would stream a level that shares no weights)``: the classes found in a
+    ModuleList or Sequential whose instances share no weight with anything outside themselves, most instances
+    first; '' if there are none."""
     members: dict[type, list[tuple[str, nn.Module]]] = {}
-    for path, m in root.named_modules():
+    for m in root.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)):
-            for n, c in m.named_children():
+            for c in m.children():
                 if _has_params(c):
                     members.setdefault(type(c), [])
     for path, m in root.named_modules(remove_duplicate=False):
