@@ -77,6 +77,40 @@ def test_peft_lora_parity(case: str) -> None:
     assert_exact(ref, got, frozen=frozen)
 
 
+class PeftLM(CausalLMModule):
+    """A tiny HF Llama under one of peft's other methods (``method``): DoRA (LoRA with its weight-decomposed
+    magnitude), IA3 (learned scaling vectors) and prompt tuning (learned virtual-token embeddings, outside the
+    blocks). Prefix tuning hands each layer a KV cache of virtual tokens: refused, tests/test_compat_families.py."""
+
+    def __init__(self, method: str = "dora", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def build(self) -> nn.Module:
+        from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
+
+        config = {
+            "dora": lambda: LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(ATTN), use_dora=True),
+            "ia3": lambda: IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+                                     feedforward_modules=["down_proj"]),
+            "prompt": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        }[self.hparams.method]()
+        return get_peft_model(build_causal_lm(self.hparams.arch), config)
+
+
+@pytest.mark.parametrize("method", ["dora", "ia3", "prompt"])
+def test_peft_methods_beyond_lora_parity(method: str) -> None:
+    """DoRA, IA3 and prompt tuning: same losses and trained tensors as the default strategy, every base weight
+    untouched."""
+    pytest.importorskip("peft")
+    factory = partial(PeftLM, method=method, arch="llama")
+    ref = fit(factory, None, max_steps=3)
+    frozen = frozen_names(ref.module)
+    assert len(frozen) > len(ref.state) // 2, f"{method} should freeze most tensors"
+    got = fit(factory, "megatrain", max_steps=3)
+    assert_is_megatrain(got)
+    assert_exact(ref, got, frozen=frozen)
+
+
 @pytest.mark.parametrize("case", ["llama-attn", "qwen2-mlp-save-lm_head"])
 def test_peft_lora_adapters_updated_on_the_device(case: str, block_updates: list[int]) -> None:
     """``update_on_device`` with both blocks cached: each block's adapters are updated on the device (its
