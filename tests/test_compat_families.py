@@ -244,3 +244,47 @@ def test_prefix_tuning_refused_before_any_update() -> None:
     module, before = built
     changed = [k for k, v in module.state_dict().items() if not torch.equal(before[k], v.cpu())]
     assert not changed, changed
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning's other entry points, standalone (blocks first called under torch.inference_mode)
+# ---------------------------------------------------------------------------------------------
+class Evaluated(Family):
+    """GPT-2 (cache on) with test and predict steps: the loss, and the greedy next tokens."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(family="gpt2", n_val=8, **kwargs)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*self.val_data), batch_size=4)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.compute_loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0]).logits.argmax(-1)
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_validate_test_predict_without_fit(inference_mode: bool) -> None:
+    """trainer.validate, test and predict on a fresh module, each block's first call in them (under
+    torch.inference_mode by default, whose tensors have no version counter): the default strategy's results."""
+    import lightning.pytorch as pl
+
+    import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
+
+    results = {}
+    for strategy in ("auto", "megatrain"):
+        pl.seed_everything(0, verbose=False)
+        module = Evaluated()
+        kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False, inference_mode=inference_mode)
+        val = pl.Trainer(strategy=strategy, **kw).validate(module, verbose=False)
+        test = pl.Trainer(strategy=strategy, **kw).test(module, verbose=False)
+        pred = pl.Trainer(strategy=strategy, **kw).predict(module)
+        results[strategy] = (val, test, torch.cat(pred))
+    (val, test, pred), (got_val, got_test, got_pred) = results["auto"], results["megatrain"]
+    assert got_val == val and got_test == test, (val, got_val, test, got_test)
+    assert torch.equal(pred, got_pred)

@@ -64,8 +64,10 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
     binding = engine.bindings[block]
     check = block not in engine.checked_blocks
     original = engine.original_forwards[block]
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if check else []
-    versions = [t._version for t in inputs]  # the first call must leave its inputs as they are, too
+    # the first call must leave its inputs as they are, too (inference tensors have no version: no recompute)
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_inference()]
+    inputs = inputs if check else []
+    versions = [t._version for t in inputs]
     try:
         with binding.bound(weights, check=check):
             if check:  # the first call, eager: refuses parameters read beyond its inputs and weights (params.py)
