@@ -39,6 +39,22 @@ def check_supported(module: pl.LightningModule, trainer: pl.Trainer) -> None:
                 "auxiliary loss its gradient through streamed blocks. Upgrade transformers to 5.x, or set "
                 "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
             )
+    sparse = [n for n, m in module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"MegaTrainStrategy ships dense gradients to its host stores; {', '.join(sparse[:4])} has sparse=True "
+            "(sparse gradients). Build it with sparse=False (the default), or train with another strategy.")
+    # The host stores hold fp32 (and bf16/fp16 frozen) weights: any other dtype would be cast on the way in.
+    odd = [(n, p.dtype) for n, p in module.named_parameters()
+           if p.dtype not in (torch.float32, torch.bfloat16, torch.float16)]
+    if odd:
+        names = ", ".join(f"{n} ({d})" for n, d in odd[:4]) + (f" and {len(odd) - 4} more" if len(odd) > 4 else "")
+        raise ValueError(
+            f"MegaTrainStrategy keeps parameters in host stores of fp32 (bf16 or fp16 where frozen); {names} would "
+            "be cast on the way in (a complex parameter would lose its imaginary part, an integer one become "
+            "float). Give them one of those dtypes (a frozen quantized weight as a buffer), or train this "
+            "module with another strategy.")
     if trainer.gradient_clip_algorithm is not None and str(trainer.gradient_clip_algorithm) not in (
         "norm", "value", "GradClipAlgorithmType.NORM", "GradClipAlgorithmType.VALUE"
     ):

@@ -110,3 +110,45 @@ def test_two_devices_ask_for_data_parallel() -> None:
     assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
+
+
+class OddDtype(TokenBlocks):
+    """A block parameter of a dtype the host stores do not hold: complex (trained), float64 (trained) or a
+    frozen int8 one (a quantized weight kept as a Parameter)."""
+
+    def __init__(self, dtype: str = "complex64", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        value = {"complex64": lambda: torch.full((4,), 1 + 1j, dtype=torch.complex64),
+                 "float64": lambda: torch.ones(4, dtype=torch.float64),
+                 "int8": lambda: torch.ones(4, dtype=torch.int8)}[dtype]()
+        self.blocks[1].extra = nn.Parameter(value, requires_grad=dtype != "int8")
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "float64", "int8"])
+def test_parameter_of_another_dtype_is_refused_at_setup_by_name(dtype: str) -> None:
+    """Was: a complex parameter lost its imaginary part and an int8 one became float32 (silently, on the way
+    into the host store), a float64 one was refused without a name. Now refused before any allocation, naming
+    the parameter and its dtype."""
+    from compat_zoo import BatchCounter
+
+    counter = BatchCounter()
+    with pytest.raises(ValueError, match=rf"blocks\.1\.extra \(torch\.{dtype}\) would be cast on the way in"):
+        fit(partial(OddDtype, dtype=dtype), "megatrain", max_steps=1, callbacks=[counter])
+    assert counter.batches == 0
+
+
+class SparseEmbedding(TokenBlocks):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embed = nn.Embedding(self.embed.num_embeddings, self.embed.embedding_dim, sparse=True)
+
+
+def test_sparse_embedding_is_refused_at_setup_by_name() -> None:
+    """Sparse gradients (nn.Embedding(sparse=True)) used to crash in the first backward with a foreach-copy error;
+    now refused before any allocation, naming the module and the fix."""
+    from compat_zoo import BatchCounter
+
+    counter = BatchCounter()
+    with pytest.raises(ValueError, match=r"embed has sparse=True.*sparse=False"):
+        fit(SparseEmbedding, "megatrain", max_steps=1, callbacks=[counter])
+    assert counter.batches == 0

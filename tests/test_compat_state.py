@@ -218,24 +218,30 @@ class GainPassed(GainRead):
     passed = True
 
 
-def test_resident_parameter_read_inside_a_block_is_refused_before_any_update() -> None:
-    """Read through a plain attribute, ``gain`` would get no gradient from the streamed blocks (their backward
-    differentiates their own weights and inputs): refused in the first forward, naming it and the block class,
-    the weights as they were."""
+def refused_in_the_first_forward(factory: Any, pattern: str, **options: Any) -> None:
+    """The default strategy trains ``factory``'s module; megatrain raises matching ``pattern`` in the first
+    training batch, before any update: every weight as it was built."""
+    fit(factory, None, max_steps=2)
     counter, built = BatchCounter(), []
 
-    def factory() -> GainRead:
-        built.append(GainRead())
+    def build() -> pl.LightningModule:
+        built.append(factory())
         built.append(copy.deepcopy(built[0].state_dict()))
         return built[0]
 
-    with pytest.raises(RuntimeError, match=r"\(GainBlock\) exactly: its forward reads gain, which it is not streamed"):
-        fit(factory, "megatrain", max_steps=2, callbacks=[counter])
+    with pytest.raises(RuntimeError, match=pattern):
+        fit(build, megatrain(**options), max_steps=2, callbacks=[counter])
     assert counter.batches == 1
     module, before = built
     after = module.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k].cpu())]
     assert not changed, f"weights changed in the refused step: {changed}"
+
+
+def test_resident_parameter_read_inside_a_block_is_refused_before_any_update() -> None:
+    """Read through a plain attribute, ``gain`` would get no gradient from the streamed blocks (their backward
+    differentiates their own weights and inputs): refused in the first forward, naming it and the block class."""
+    refused_in_the_first_forward(GainRead, r"\(GainBlock\) exactly: its forward reads gain, which it is not streamed")
 
 
 def test_resident_parameter_passed_to_the_blocks_trains_exactly() -> None:
@@ -268,9 +274,125 @@ class InPlaceInput(TokenBlocks):
 def test_block_changing_its_input_in_place_is_refused_at_its_first_forward(options: dict) -> None:
     """The reference trains; under megatrain the first forward is refused naming the block and the fix (a kept
     block's inputs are leaves, where autograd's own error is replaced by the strategy's)."""
-    fit(InPlaceInput, None, max_steps=2)
+    refused_in_the_first_forward(InPlaceInput, r"block 0 \(InPlaceInputBlock\) exactly: its forward changes one of "
+                                               r"its input tensors \(or weights\) in place.*x = x \* a", **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# activations kept beyond a block's outputs, and gradient hooks on block parameters
+# ---------------------------------------------------------------------------------------------
+class ActivationPenalty(TokenBlocks):
+    """A forward hook on each block's ``fc1`` keeps its output; the loss adds their mean square (an activation
+    regulariser). ``detached``: the hook keeps ``output.detach()`` and the loss ignores them (logging)."""
+
+    detached = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.acts: list[torch.Tensor] = []
+        for block in self.blocks:
+            block.fc1.register_forward_hook(
+                lambda m, a, out: self.acts.append(out.detach() if self.detached else out))
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        self.acts = []
+        loss = super().compute_loss(batch)
+        return loss if self.detached else loss + 0.1 * sum(a.pow(2).mean() for a in self.acts)
+
+
+class ActivationLog(ActivationPenalty):
+    detached = True
+
+
+class AuxLossBlock(MLPBlock):
+    """Keeps ``self.aux`` (the mean square of its hidden layer) for the loss, as hand-written MoE blocks keep
+    their load-balancing loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.norm(x))
+        self.aux = h.pow(2).mean()
+        return x + self.fc2(F.gelu(h))
+
+
+class AuxLossAttribute(TokenBlocks):
+    block_cls = AuxLossBlock
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        return super().compute_loss(batch) + 0.1 * sum(b.aux for b in self.blocks)
+
+
+def _halve_grad(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+class GradHook(TokenBlocks):
+    """A gradient hook on each block's ``fc1.weight`` halves its gradient (``post``: after accumulation)."""
+
+    post = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            if self.post:
+                block.fc1.weight.register_post_accumulate_grad_hook(_halve_grad)
+            else:
+                block.fc1.weight.register_hook(lambda g: g * 0.5)
+
+
+class PostGradHook(GradHook):
+    post = True
+
+
+@pytest.mark.parametrize("factory, pattern, options", [
+    (ActivationPenalty, r"keeps tensors with a gradient history beyond its outputs \(blocks\.0\.fc1's output "
+                        r"\(a forward hook\)\)", {}),
+    (AuxLossAttribute, r"beyond its outputs \(blocks\.0\.aux\)", {}),
+    (AuxLossAttribute, r"beyond its outputs \(blocks\.0\.aux\)", {"keep_activations": 3}),
+    (GradHook, r"blocks\.0\.fc1\.weight has a gradient hook", {}),
+    (PostGradHook, r"blocks\.0\.fc1\.weight has a gradient hook", {}),
+], ids=["hooked-activation-in-loss", "aux-loss-attribute", "aux-loss-attribute-kept", "register_hook",
+        "post-accumulate-hook"])
+def test_what_a_streamed_block_would_lose_is_refused_by_name(factory: Any, pattern: str, options: dict) -> None:
+    """Silently wrong before: a loss term on an activation a hook kept or an attribute the block set (no gradient
+    reached the block), a gradient hook on a block parameter (never ran). Now refused in the first forward, naming
+    the tensor or parameter."""
+    refused_in_the_first_forward(factory, pattern, **options)
+
+
+def test_a_hook_that_keeps_detached_activations_trains_exactly() -> None:
+    """Logging what a submodule computes (``output.detach()``) is not refused, and trains as under the default
+    strategy (the hook runs in the forward and again in the recompute: 2 calls per block and step)."""
+    ref, got, refused = parity_or_refusal(ActivationLog, names=["fc1"], max_steps=3)
+    assert refused is None
+
+
+class LBFGSBlocks(TokenBlocks):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+
+def test_lbfgs_is_refused_before_any_update() -> None:
+    """LBFGS re-evaluates the loss inside its step (a closure): refused by name when the strategy takes the
+    optimizer over (it used to fail in its first step, calling step() without the closure)."""
     counter = BatchCounter()
-    with pytest.raises(RuntimeError, match=r"block 0 \(InPlaceInputBlock\) exactly: its forward changes one of its "
-                                           r"input tensors \(or weights\) in place.*x = x \* a"):
-        fit(InPlaceInput, megatrain(**options), max_steps=2, callbacks=[counter])
-    assert counter.batches == 1
+    with pytest.raises(TypeError, match=r"cannot step torch\.optim\.LBFGS"):
+        fit(LBFGSBlocks, "megatrain", max_steps=1, callbacks=[counter])
+    assert counter.batches == 0
+
+
+def test_pruning_blocks_during_training_is_refused_by_name() -> None:
+    """Lightning's ModelPruning re-registers a pruned Linear's weight (``weight_orig`` and a pre-hook) at an
+    epoch's end; streaming would bind weights where the module no longer reads them (it used to crash in the
+    next forward with "cannot assign 'torch.FloatTensor' as parameter 'weight'"). Refused by name at the next
+    block call, before that step's updates."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    class BlocksOnly(ModelPruning):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            self._parameters_to_prune = [(b.fc1, "weight") for b in pl_module.blocks]
+            super().setup(trainer, pl_module, stage)
+
+    fit(TokenBlocks, None, max_steps=6, callbacks=[BlocksOnly("l1_unstructured", amount=0.3)])
+    with pytest.raises(RuntimeError, match=r"its parameter fc1\.weight was re-registered after setup.*Prune or "
+                                           r"parametrize before fit"):
+        fit(TokenBlocks, "megatrain", max_steps=6, callbacks=[BlocksOnly("l1_unstructured", amount=0.3)])

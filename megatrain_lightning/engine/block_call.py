@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .block import CallSpec, StreamedBlock
+from .first_call import FirstCall
 from .phase import Phase
 
 
@@ -54,49 +54,34 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
 def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any = None,
               matmuls_only: bool = False, eager: bool = False) -> Any:
     """Block ``block``'s own forward with its parameters bound to ``weights`` (acquired, and released after,
-    if None). Its first call (the forward, before any update ran) checks that it leaves its buffers alone and
-    reads no parameter beyond its inputs and weights (``params.OutsideUse.first_call``). Compiled where
-    ``engine.compiled`` runs it (``compiled.py``) unless ``eager``; ``matmuls_only`` (compiled calls only): the
-    compiled graph saves matmul and attention outputs only."""
+    if None). Its first call (the forward, before any update ran) is checked: ``first_call.py``, and its buffers
+    here. Compiled where ``engine.compiled`` runs it (``compiled.py``) unless ``eager``; ``matmuls_only``
+    (compiled calls only): the compiled graph saves matmul and attention outputs only."""
     release = weights is None
     if weights is None:
         weights = engine.acquire(block)
     binding = engine.bindings[block]
     check = block not in engine.checked_blocks
     original = engine.original_forwards[block]
-    # the first call must leave its inputs as they are, too (inference tensors have no version: no recompute)
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_inference()]
-    inputs = inputs if check else []
-    versions = [t._version for t in inputs]
+    first = FirstCall(engine, block, args, kwargs, weights) if check else None  # first_call.py
     try:
-        with binding.bound(weights, check=check):
-            if check:  # the first call, eager: refuses parameters read beyond its inputs and weights (params.py)
-                try:
-                    out = engine.outside.first_call(block, lambda a, kw: original(engine.blocks[block], *a, **kw),
-                                                    args, kwargs, weights)
-                except RuntimeError as err:  # a kept block's inputs are leaves that require grad
-                    if "leaf Variable that requires grad is being used in an in-place operation" not in str(err):
-                        raise
-                    versions = [-1] * len(inputs)
+        with binding.bound(first.bound if first is not None else weights, check=check):
+            if first is not None:  # eager, with a graph like its recompute's, checked
+                out = first(lambda a, kw: original(engine.blocks[block], *a, **kw))
             elif not eager and engine.compiled.runs(block, original, matmuls_only):
                 out = engine.compiled.call(block, original, engine.blocks[block], args, kwargs, matmuls_only)
             else:
                 out = original(engine.blocks[block], *args, **kwargs)
         if check:
             engine.checked_blocks.add(block)
-            if any(t._version != v for t, v in zip(inputs, versions)):
-                raise RuntimeError(
-                    f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: "
-                    "its forward changes one of its input tensors (or weights) in place, and a streamed block "
-                    "runs its forward again from its saved inputs in the backward's recompute. Compute out of place "
-                    "(x = x * a, not x.mul_(a); x = x + y, not x += y), or stream another level with block_class=...")
             changed = binding.mutated_buffers()
             if changed:
                 raise RuntimeError(
                     f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: "
                     f"its forward changes its buffers in place ({', '.join(changed)}), and a streamed block "
-                    "runs its forward again in the backward's recompute. Make the buffers constant (e.g. "
-                    "track_running_stats=False for a norm), or stream another level with block_class=...")
+                    "runs its forward again in the backward's recompute. Make the buffers constant (a norm: "
+                    "track_running_stats=False; spectral_norm's power iteration: weight_norm instead, or the "
+                    "module outside the streamed blocks), or stream another level with block_class=...")
         return out
     finally:
         if release:

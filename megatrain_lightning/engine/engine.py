@@ -137,7 +137,7 @@ class StreamingEngine:
         auto = config.compile_blocks is None  # on CUDA under mixed precision (compiled.py)
         self.compiled = CompiledBlocks(compiles_by_default(self.device, compute_dtype) if auto else config.compile_blocks,
                                        self.checked_blocks, blocks, auto)
-        self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel, root)
+        self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
         self.original_forwards: dict[int, Callable[..., Any]] = {}
         for i, block in enumerate(self.blocks):
             self.original_forwards[i] = type(block).forward

@@ -10,8 +10,7 @@ that is not registered), and their dtype. What the engine does about each:
 * :func:`reclaim`: weights written outside the optimizer are taken back into the stores, and every device
   copy is refreshed before its next use;
 * :class:`OutsideUse`: a block parameter used outside its block gets the two shares of its gradient
-  added, and its block is updated after the backward; a parameter from outside a block that the block reads
-  without being handed it (a plain attribute) is refused by name at the block's first forward;
+  added, and its block is updated after the backward;
 * :func:`upcast_buffers`: a module given in bf16 trains fp32 masters (one log line), its buffers follow.
 
 The functions take the engine (:class:`~megatrain_lightning.engine.engine.StreamingEngine`) as ``engine``.
@@ -20,11 +19,10 @@ The functions take the engine (:class:`~megatrain_lightning.engine.engine.Stream
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .phase import Phase, StepState
 from .slots import BlockBinding
@@ -104,9 +102,8 @@ class OutsideUse:
     """
 
     def __init__(self, state: StepState, stores: Sequence[FlatStore], blocks: Sequence[nn.Module],
-                 parallel: bool = False, root: nn.Module | None = None) -> None:
+                 parallel: bool = False) -> None:
         self.state = state
-        self.root = root
         self.parallel = parallel
         self.stores = stores  # the engine's list (laid-out-again stores replace their entries)
         self.block_modules = blocks
@@ -133,46 +130,9 @@ class OutsideUse:
                 "term on the weight). Register the tie as a shared parameter of a resident module, compute the "
                 "term inside the block, or stream another level with block_class=...")
 
-    def first_call(self, block: int, call: Callable[[tuple, dict], Any], args: tuple, kwargs: dict,
-                   bound: Sequence[torch.Tensor]) -> Any:
-        """``call(args, kwargs)``, block ``block``'s first forward (eager, before any update), refusing a model
-        parameter that requires grad which the block reads beyond its inputs and the weights it is ``bound`` to.
-
-        A streamed block's backward takes the gradients of the weights it is streamed with and of its inputs in
-        one ``autograd.grad``; a parameter it reaches otherwise (a resident one read through a plain attribute,
-        not as an argument nor as a submodule) would get none from it, where the default strategy gives it its
-        share: silently wrong, so refused. Without grad the call runs with grad on its inputs detached: then an
-        output builds a graph only through such a parameter (none: no graph, no cost).
-        """
-        grad = torch.is_grad_enabled()
-        if not grad:
-            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-        with torch.enable_grad():
-            out = call(args, kwargs)
-        known = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        known.update(id(w) for w in bound)
-        params = {id(p): n for n, p in self.root.named_parameters(remove_duplicate=False)} if self.root else {}
-        seen: set[int] = set()
-        stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        foreign: set[str] = set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
-            if leaf is not None and id(leaf) not in known and id(leaf) in params:
-                foreign.add(params[id(leaf)])
-            stack.extend(n for n, _ in node.next_functions)
-        if foreign:
-            raise RuntimeError(
-                f"MegaTrainStrategy cannot train streamed block {block} ({type(self.block_modules[block]).__name__}) "
-                f"exactly: its forward reads {', '.join(sorted(foreign)[:4])}, which it is not streamed with (a "
-                "parameter reached through a plain attribute, not an argument or a submodule of the block): it "
-                "would get no gradient from this block. Pass it to the block's forward as an argument (a tensor "
-                "argument gets its gradient), register the module that holds it under the block, or stream "
-                "another level with block_class=...")
-        return out if grad else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+    def hook_ids(self) -> set[int]:
+        """The keys of this watcher's own hooks in the parameters' ``_post_accumulate_grad_hooks``."""
+        return {h.id for h in self._hooks}
 
     def close(self) -> None:
         for h in self._hooks:

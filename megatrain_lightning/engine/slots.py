@@ -45,6 +45,22 @@ class BlockBinding:
         self.buffer_sites = buffers
         self.device_buffers: list[torch.Tensor] = [b for _, _, b in buffers]
 
+    def same_structure(self) -> None:
+        """Refuses a block whose parameters were re-registered since setup (``torch.nn.utils.prune`` and
+        Lightning's ``ModelPruning`` move ``weight`` to ``weight_orig`` and recompute it in a pre-hook;
+        ``parametrize`` moves it under ``parametrizations``): binding would put streamed weights where the
+        module no longer reads them."""
+        for sites, p in zip(self.param_sites, self.params):
+            for mod, name in sites:
+                if mod._parameters.get(name) is not p:
+                    path = next((n for n, m in self.block.named_modules() if m is mod), "?")
+                    raise RuntimeError(
+                        f"MegaTrainStrategy cannot go on training block {type(self.block).__name__}: its parameter "
+                        f"{path + '.' if path else ''}{name} was re-registered after setup (torch.nn.utils.prune or "
+                        "Lightning's ModelPruning, a parametrization added in training), so the weights it streams "
+                        "are no longer the ones the module reads. Prune or parametrize before fit (and "
+                        "prune.remove() to make pruning permanent), or train with another strategy.")
+
     def buffers_to(self, device: torch.device) -> None:
         """Keep a device copy of the block's buffers for the whole run (they are small and read-only)."""
         self.device_buffers = [b.to(device) for _, _, b in self.buffer_sites]
@@ -56,7 +72,8 @@ class BlockBinding:
 
     def mutated_buffers(self) -> list[str]:
         """Names of the buffers whose device copy a call changed in place (``bound(check=True)``)."""
-        return [f"{type(mod).__name__}.{name}" for (mod, name, _), b, v in
+        paths = {id(m): n for n, m in self.block.named_modules()}
+        return [f"{paths.get(id(mod)) or type(mod).__name__}.{name} ({type(mod).__name__})" for (mod, name, _), b, v in
                 zip(self.buffer_sites, self.device_buffers, self._versions) if b._version != v]
 
     @contextmanager
@@ -66,6 +83,7 @@ class BlockBinding:
         host holds them narrow) are bound as fp32 casts: what ops outside autocast's lists see under
         Lightning's own bf16-mixed, whose weights are fp32 (CPU layer norms refuse a bf16 weight with an
         fp32 input). ``check``: record the buffers' versions, for :meth:`mutated_buffers`."""
+        self.same_structure()
         for sites, t in zip(self.param_sites, tensors):
             if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()  # differentiable: the gradient reaches the slot's leaf

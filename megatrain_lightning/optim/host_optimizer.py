@@ -169,6 +169,11 @@ class HostOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, stores: Sequence[FlatStore],
                  on_zero_grad: Callable[[bool], None] | None = None) -> None:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "MegaTrainStrategy cannot step torch.optim.LBFGS: it evaluates the loss again inside its step (its "
+                "closure runs forward and backward several times), where the strategy steps the host masters once "
+                "after the backward. Use another optimizer, or train with Lightning's default strategy.")
         self.optimizer = optimizer
         if on_zero_grad is not None:
             chain_zero_grad(optimizer, on_zero_grad)

@@ -1,0 +1,174 @@
+"""A block's first forward, checked: what a streamed block cannot do and still train exactly.
+
+A streamed block runs its forward without a graph and recomputes it in the backward from its saved inputs,
+then takes the gradients of its inputs and of the weights it is streamed with in one ``autograd.grad``
+(``block.py``). Under Lightning's default strategy the same module would run once, with a graph. Where the two
+differ the result would be silently wrong, so the block's first call (eager, before any update, ``run_bound``)
+runs with a graph as its recompute will, and refuses by name, in one paragraph with the fix, a block that
+
+* reads a trainable parameter beyond its inputs and its own weights (a resident one through a plain
+  attribute): no gradient would reach it;
+* keeps a tensor of its forward with a gradient history beyond its outputs: a forward hook's list, an attribute
+  such as ``self.aux_loss`` (a loss built from it would send no gradient into the block);
+* has a gradient hook on one of its parameters (``register_hook``, ``register_post_accumulate_grad_hook``):
+  the block's gradients reach the host accumulator without autograd on the parameter, so it would not run;
+* changes its input tensors or its buffers in place: the recompute starts from the saved inputs and buffers.
+
+Cost: the call builds the graph the recompute builds (one block's activations, freed when it returns),
+once per block. Under ``torch.inference_mode`` (validate, test, predict) nothing is checked: there is no graph
+and no backward. While transformers records outputs (router logits: ``side_outputs.py``) the graph is not
+built: the recorded tensors become the Function's outputs as they are.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import side_outputs
+
+_FIX = "or stream another level with block_class=..."
+
+
+class FirstCall:
+    """One block's checked first call: bind its weights to ``bound``, then call it inside the binding."""
+
+    def __init__(self, engine: Any, block: int, args: tuple, kwargs: dict, weights: Sequence[torch.Tensor]) -> None:
+        self.engine, self.block = engine, block
+        self.module: nn.Module = engine.blocks[block]
+        self.inference = torch.is_inference_mode_enabled()
+        self.grad = torch.is_grad_enabled()
+        # a graph like the recompute's: the weights as leaves, the inputs detached (their history is not ours)
+        self.graph = not self.inference and not self.grad and not side_outputs.recording()
+        if not self.inference and not self.grad:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        if self.graph:
+            flags = engine.requires_grad_flags(block)
+            weights = [w.detach().requires_grad_(f and w.is_floating_point()) for w, f in zip(weights, flags)]
+        self.bound, self.args, self.kwargs = list(weights), args, kwargs
+        self.inputs = [t for t in pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor) and not t.is_inference()]
+        self.versions = [t._version for t in self.inputs]
+        # the model's parameters by name, read before the binding puts the block's weights in their places
+        self.names = {id(p): n for n, p in engine.root.named_parameters(remove_duplicate=False)}
+
+    def __call__(self, call: Callable[[tuple, dict], Any]) -> Any:
+        if self.inference:
+            return call(self.args, self.kwargs)
+        names = self.names
+        self._grad_hooks(names)
+        attrs = dict(_tensor_attrs(self.module))
+        hooked: list[tuple[str, weakref.ref]] = []
+        handles = [m.register_forward_hook(_note_outputs(path, hooked))
+                   for path, m in self.module.named_modules() if path and m._forward_hooks]
+        try:
+            with torch.enable_grad():
+                out = call(self.args, self.kwargs)
+        except RuntimeError as err:  # a kept block's inputs and weights are leaves that require grad
+            if "leaf Variable that requires grad is being used in an in-place operation" in str(err):
+                self._refuse_in_place()
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+        if any(t._version != v for t, v in zip(self.inputs, self.versions)):
+            self._refuse_in_place()
+        self._foreign(out, names)
+        escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
+                   if attrs.get((path, name)) is not t and t.grad_fn is not None]
+        if not self.graph:
+            if escaped:
+                self._refuse_escaped(escaped)
+            return out if self.grad else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)  # the graph goes with the last reference
+        escaped += sorted({f"{self._qualified(path)}'s output (a forward hook)" for path, ref in hooked
+                           if (t := ref()) is not None and t.grad_fn is not None})
+        if escaped:
+            self._refuse_escaped(escaped)
+        return out
+
+    def _grad_hooks(self, names: dict[int, str]) -> None:
+        ours = self.engine.outside.hook_ids()
+        hooked = [names.get(id(p), "?") for p in self.engine.stores[self.block].params
+                  if p._backward_hooks or set(getattr(p, "_post_accumulate_grad_hooks", None) or ()) - ours]
+        if hooked:
+            raise RuntimeError(
+                f"{self._what()}: {', '.join(sorted(hooked)[:4])} has a gradient hook (register_hook or "
+                "register_post_accumulate_grad_hook), and a streamed block's gradients reach the host accumulator "
+                "without autograd on the parameter, so the hook would not run. Read or change the gradients in "
+                "on_before_optimizer_step (each parameter's .grad holds the step's gradient there), hook the "
+                f"module's output (register_full_backward_hook), {_FIX}")
+
+    def _foreign(self, out: Any, names: dict[int, str]) -> None:
+        """Refuses a model parameter the output's graph reaches beyond the inputs and the bound weights."""
+        known = {id(t) for t in (*self.inputs, *self.bound)}
+        stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set[int] = set()
+        foreign: set[str] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
+            if leaf is not None and id(leaf) not in known and id(leaf) in names:
+                foreign.add(names[id(leaf)])
+            stack.extend(n for n, _ in node.next_functions)
+        if foreign:
+            raise RuntimeError(
+                f"{self._what()}: its forward reads {', '.join(sorted(foreign)[:4])}, which it is not streamed "
+                "with (a parameter reached through a plain attribute, not an argument or a submodule of the "
+                "block): it would get no gradient from this block. Pass it to the block's forward as an argument "
+                f"(a tensor argument gets its gradient), register the module that holds it under the block, {_FIX}")
+
+    def _refuse_in_place(self) -> None:
+        raise RuntimeError(
+            f"{self._what()}: its forward changes one of its input tensors (or weights) in place, and a streamed "
+            "block runs its forward again from its saved inputs in the backward's recompute. Compute out of place "
+            f"(x = x * a, not x.mul_(a); x = x + y, not x += y), {_FIX}")
+
+    def _refuse_escaped(self, where: list[str]) -> None:
+        raise RuntimeError(
+            f"{self._what()}: its forward keeps tensors with a gradient history beyond its outputs "
+            f"({', '.join(where[:4])}), which have none under this strategy (the block runs "
+            "without a graph and is recomputed in the backward): a loss built from them would not train the block. "
+            "Return them from the block's forward (an auxiliary loss as an output, or added to the hidden states "
+            "through a custom autograd Function), keep .detach()ed copies if they are only logged, "
+            f"{_FIX}")
+
+    def _qualified(self, path: str, attr: str = "") -> str:
+        """``path`` (inside the block) and ``attr`` as the model names them: ``model.layers.0.mlp.aux_loss``."""
+        root = next((n for n, m in self.engine.root.named_modules() if m is self.module), "")
+        return ".".join(p for p in (root, path, attr) if p)
+
+    def _what(self) -> str:
+        return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
+
+
+def _note_outputs(path: str, into: list[tuple[str, weakref.ref]]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        into.extend((path, weakref.ref(t)) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
+    return hook
+
+
+def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
+    """``((submodule path, attribute), tensor)`` for every plain tensor attribute of ``module`` and its
+    submodules (in a list, tuple or dict one level deep too), parameters and buffers aside."""
+    for path, m in module.named_modules():
+        for name, value in vars(m).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                yield (path, name), value
+            elif isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    if isinstance(v, torch.Tensor):
+                        yield (path, f"{name}[{i}]"), v
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    if isinstance(v, torch.Tensor):
+                        yield (path, f"{name}[{k!r}]"), v
