@@ -396,3 +396,28 @@ def test_pruning_blocks_during_training_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match=r"its parameter fc1\.weight was re-registered after setup.*Prune or "
                                            r"parametrize before fit"):
         fit(TokenBlocks, "megatrain", max_steps=6, callbacks=[BlocksOnly("l1_unstructured", amount=0.3)])
+
+
+class WeightNormed(TokenBlocks):
+    """Each block's ``fc1`` under weight normalisation: torch's old ``weight_norm`` (a pre-hook sets ``fc1.weight``
+    as a plain attribute, recomputed before every forward: not an escaped activation) or the parametrization."""
+
+    old = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            if self.old:
+                torch.nn.utils.weight_norm(block.fc1)
+            else:
+                torch.nn.utils.parametrizations.weight_norm(block.fc1)
+
+
+class WeightNormParametrized(WeightNormed):
+    old = False
+
+
+@pytest.mark.parametrize("factory", [WeightNormed, WeightNormParametrized], ids=["weight_norm", "parametrizations"])
+def test_weight_norm_in_blocks_trains_exactly(factory: Any) -> None:
+    ref, got, refused = parity_or_refusal(factory, names=["fc1"], max_steps=3)
+    assert refused is None

@@ -78,8 +78,9 @@ class FirstCall:
         if any(t._version != v for t, v in zip(self.inputs, self.versions)):
             self._refuse_in_place()
         self._foreign(out, names)
+        recomputed = _recomputed_weights(self.module)
         escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
-                   if attrs.get((path, name)) is not t and t.grad_fn is not None]
+                   if attrs.get((path, name)) is not t and t.grad_fn is not None and (path, name) not in recomputed]
         if not self.graph:
             if escaped:
                 self._refuse_escaped(escaped)
@@ -153,6 +154,16 @@ def _note_outputs(path: str, into: list[tuple[str, weakref.ref]]) -> Callable[..
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         into.extend((path, weakref.ref(t)) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
     return hook
+
+
+def _recomputed_weights(module: nn.Module) -> set[tuple[str, str]]:
+    """``(submodule path, attribute)`` of the weights torch's old ``weight_norm`` / ``spectral_norm`` set as plain
+    attributes in a forward pre-hook: recomputed from the parameters before every forward, the recompute's too."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return {(path, hook.name) for path, m in module.named_modules() for hook in m._forward_pre_hooks.values()
+            if isinstance(hook, (WeightNorm, SpectralNorm))}
 
 
 def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
