@@ -8,7 +8,8 @@ wrong before ``engine/block_call.no_kv_cache`` cleared positional caches), encod
 Whisper), state-space and hybrid blocks (Mamba2, Jamba, Qwen3-Next), MLA with shared experts (DeepSeek-V3),
 ALiBi (Bloom), two towers (CLIP), an MLM decoder tied to embeddings that ``_no_split_modules`` lists as a block
 (BERT: the embeddings stay resident), and weights shared across depths (ALBERT, Zamba2: refused, naming the
-class to stream instead).
+class to stream instead). Then KV caches outside training (generate() in validation: the same tokens; peft's prefix
+tuning: refused), and Lightning's validate, test and predict on a fresh module, under inference mode and without.
 """
 
 from __future__ import annotations
