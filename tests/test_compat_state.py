@@ -383,8 +383,8 @@ def test_lbfgs_is_refused_before_any_update() -> None:
 def test_pruning_blocks_during_training_is_refused_by_name() -> None:
     """Lightning's ModelPruning re-registers a pruned Linear's weight (``weight_orig`` and a pre-hook) at an
     epoch's end; streaming would bind weights where the module no longer reads them (it used to crash in the
-    next forward with "cannot assign 'torch.FloatTensor' as parameter 'weight'"). Refused by name at the next
-    block call, before that step's updates."""
+    next forward with "cannot assign 'torch.FloatTensor' as parameter 'weight'"). Refused by name before the next
+    step, where the strategy takes back what callbacks wrote."""
     from lightning.pytorch.callbacks import ModelPruning
 
     class BlocksOnly(ModelPruning):

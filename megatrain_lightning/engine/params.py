@@ -66,7 +66,10 @@ def reclaim(engine: Any) -> None:
     """Weights may have been written outside the optimizer (a callback's ``p.data.copy_``, an EMA swap,
     ``load_state_dict``, ``p.data = other``): a parameter whose ``.data`` is no longer its store view is
     copied back into it and re-pointed, and every device copy is refreshed before its next use. Version
-    counters cannot tell: ``p.data.copy_`` bumps none."""
+    counters cannot tell: ``p.data.copy_`` bumps none. The same writers may re-register a block's parameters
+    (pruning, a parametrization): refused by name (``BlockBinding.same_structure``)."""
+    for binding in engine.bindings:
+        binding.same_structure()
     with torch.no_grad():
         for store in engine.all_stores():
             for p, view in zip(store.params, store.master_views):

@@ -83,7 +83,6 @@ class BlockBinding:
         host holds them narrow) are bound as fp32 casts: what ops outside autocast's lists see under
         Lightning's own bf16-mixed, whose weights are fp32 (CPU layer norms refuse a bf16 weight with an
         fp32 input). ``check``: record the buffers' versions, for :meth:`mutated_buffers`."""
-        self.same_structure()
         for sites, t in zip(self.param_sites, tensors):
             if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()  # differentiable: the gradient reaches the slot's leaf
