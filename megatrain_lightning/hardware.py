@@ -21,7 +21,7 @@ from .errors import ConfigError
 GB = 1e9
 
 # GPU name fragments → profile file, most specific first.
-_NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("A100", "a100_pcie"), ("3090", "rtx3090"))
+_NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100_pcie"), ("3090", "rtx3090"))
 PINNED_FRACTION = 0.8  # most of the measured host memory that auto detection lets be pinned
 _PROFILES_DIR = config_dir() / "hardware"
 

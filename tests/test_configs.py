@@ -71,7 +71,7 @@ def test_conf_tree_has_every_group_and_option() -> None:
     names = set(YAMLS)
     for group in ("model", "data", "hardware", "strategy", "trainer", "experiment"):
         assert any(n.startswith(f"{group}/") for n in names), group
-    for hw in ("gh200", "h200", "h200_126g", "a100_pcie", "rtx3090", "cpu", "auto"):
+    for hw in ("gh200", "h200", "h200_126g", "h100", "a100_pcie", "rtx3090", "cpu", "auto"):
         assert f"hardware/{hw}.yaml" in names
     for s in ("megatrain", "single_device", "fsdp_cpu_offload", "deepspeed_zero3_offload"):
         assert f"strategy/{s}.yaml" in names

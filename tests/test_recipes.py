@@ -16,6 +16,16 @@ def test_every_recipe_opens_with_the_command_that_runs_it() -> None:
         assert path.name in first, path.name
 
 
+def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None:
+    """recipes/measure_hardware.py (the H100 profile's numbers): its host AdamW timing runs anywhere; without CUDA
+    it stops with one line saying why, before measuring anything."""
+    recipe = load("measure_hardware")
+    assert 0 < recipe.host_adam(1e5, 1) < 1e3  # G params/s
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            recipe.main(["--name", "here"])
+
+
 @pytest.mark.slow
 def test_plain_python_recipe_trains_with_megatrain_strategy() -> None:
     loss = load("plain_python_megatrain").main(max_steps=40)
