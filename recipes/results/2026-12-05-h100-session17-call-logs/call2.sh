@@ -7,7 +7,7 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-tf .whl-tf/*.whl 2>&1 | tail -1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -1
-export PYTHONUNBUFFERED=1 MACHINE=nvidia-h100
+export PYTHONUNBUFFERED=1 MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo nvidia-h200 || echo nvidia-h100); echo $MACHINE
 export PYTHONPATH=/tmp/site-tf:/tmp/site:$PWD:$PWD/recipes
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 T0=$SECONDS
