@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from conftest import RECIPES, load_recipe as load
 
@@ -21,7 +22,7 @@ def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None
     it stops with one line saying why, before measuring anything."""
     recipe = load("measure_hardware")
     assert 0 < recipe.host_adam(1e5, 1) < 1e3  # G params/s
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA is not available"):
             recipe.main(["--name", "here"])
 
