@@ -65,6 +65,7 @@ def initializer_for(root: nn.Module) -> Callable[[Sequence[nn.Module]], None]:
                 sourced.setdefault(id(sub), m)
 
     def init(modules: Sequence[nn.Module]) -> None:
+        nonlocal drew
         to_fill: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
         for m in modules:
             carrier = sourced.get(id(m))
@@ -73,6 +74,7 @@ def initializer_for(root: nn.Module) -> Callable[[Sequence[nn.Module]], None]:
                 if not _computed_buffers(m):
                     continue  # every tensor it holds comes from the source
                 # else: initialise first (computes the buffers); the source then overwrites the rest
+            drew = True
             hf = owner.get(id(m))
             if hf is not None:
                 hf._init_weights(m)  # type: ignore[operator]
@@ -94,6 +96,8 @@ def initializer_for(root: nn.Module) -> Callable[[Sequence[nn.Module]], None]:
             if source.complete:
                 carrier.__dict__.pop(_SOURCE_ATTR, None)  # nothing left to read: release the file index
 
+    drew = False
+    init.drew_random = lambda: drew  # type: ignore[attr-defined]  # whether any module got a random init
     return init
 
 

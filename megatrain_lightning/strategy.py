@@ -257,15 +257,25 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.is_distributed:
             replicas = make_replicas(self.world_size, self.global_rank, self.num_processes, self.local_rank,
                                      self.node_rank)
+        init = initializer_for(module)
         self.engine = StreamingEngine(
             module,
             blocks,
             device=self.root_device,
             compute_dtype=precision.compute_dtype,
             config=self.config.for_blocks(len(blocks)),
-            init=initializer_for(module),
+            init=init,
             replicas=replicas,
         )
+        if init.drew_random() and not getattr(module, "meta_init_matches_eager", False):
+            rank_zero_info(
+                f"{type(module).__name__}.configure_model was built on the meta device and initialised in the host "
+                "store (MegaTrainStrategy(meta_init=True): peak host memory the store plus about one block). Its "
+                "random values are drawn afresh by _init_weights / reset_parameters, so a seed gives other initial "
+                "weights than an eager build under Lightning's default strategy, and the losses differ from the "
+                "first step (the training is the same). MegaTrainStrategy(meta_init=False) builds it on the host "
+                "as that strategy does."
+            )
         if self._pending_model_state is not None:  # a checkpoint restored before setup
             pending, self._pending_model_state = self._pending_model_state, None
             self.load_model_state_dict(*pending)
@@ -565,7 +575,10 @@ class MegaTrainStrategy(ParallelStrategy):
         if self._torn is not None:
             raise CheckpointError(
                 f"MegaTrainStrategy refuses to save: {self._torn}. A checkpoint of it would resume a model that "
-                "no run trained; resume from the last checkpoint written before (its step is complete)."
+                "no run trained; resume from the last checkpoint written before (its step is complete). Where an "
+                "exception in the backward must leave a checkpoint (OnExceptionCheckpoint), "
+                "MegaTrainStrategy(engine=EngineConfig(overlap_optimizer=False)) runs a step's updates only after "
+                "its backward, as Lightning's default strategy does (slower: the host step no longer overlaps)."
             )
 
     @override

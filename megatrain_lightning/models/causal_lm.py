@@ -109,6 +109,10 @@ class CausalLM(pl.LightningModule):
             less), for one more MLP forward per backward. Exact. None: the MLP runs as it is.
     """
 
+    # configure_model builds on the meta device under every strategy (materialised at once where the strategy
+    # gives a real device), so MegaTrainStrategy's block-by-block init draws what the default strategy's does
+    meta_init_matches_eager = True
+
     def __init__(
         self,
         name: str = "custom",
