@@ -74,7 +74,8 @@ def initializer_for(root: nn.Module) -> Callable[[Sequence[nn.Module]], None]:
                 if not _computed_buffers(m):
                     continue  # every tensor it holds comes from the source
                 # else: initialise first (computes the buffers); the source then overwrites the rest
-            drew = True
+            else:
+                drew = True  # no weights source: the values below are random
             hf = owner.get(id(m))
             if hf is not None:
                 hf._init_weights(m)  # type: ignore[operator]

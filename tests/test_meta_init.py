@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import lightning as L
 import pytest
@@ -206,31 +207,63 @@ def _tokens_with_labels() -> torch.utils.data.DataLoader:
                                        batch_size=4)
 
 
+def _setup_lines(caplog: pytest.LogCaptureFixture, strategy: Any, module: L.LightningModule) -> list[str]:
+    """What setup said about the meta-device init (rank_zero_info's logger need not propagate to caplog's)."""
+    import logging
+
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            caplog.clear()
+            _trainer(strategy, max_steps=1).fit(module, _tokens())
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    return [r.getMessage() for r in caplog.records if "built on the meta device" in r.getMessage()]
+
+
 def test_a_module_built_eagerly_elsewhere_is_told_its_init_differs_and_meta_init_off_matches(
         caplog: pytest.LogCaptureFixture) -> None:
     """A plain Hugging Face model built in configure_model draws its constructors' inits before _init_weights
     under Lightning's default strategy; built on the meta device it draws only the latter, so the same seed
     gives other initial weights (found by a sweep of Lightning features, 2026-12-05: losses 0.5 % apart from
     step 1). The strategy says so in one line at setup; meta_init=False gives the default strategy's weights."""
-    import logging
-
     init: dict[str, dict[str, torch.Tensor]] = {}
     told: list[str] = []
     for name, strategy in (("auto", "auto"), ("meta", "megatrain"), ("host", MegaTrainStrategy(meta_init=False))):
         L.seed_everything(0, verbose=False)
         module = LazyLlama()
-        lightning_log = logging.getLogger("lightning.pytorch")  # rank_zero_info's; it need not propagate
-        lightning_log.addHandler(caplog.handler)
-        try:
-            with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-                caplog.clear()
-                _trainer(strategy, max_steps=1).fit(module, _tokens())
-        finally:
-            lightning_log.removeHandler(caplog.handler)
-        said = [r.getMessage() for r in caplog.records if "built on the meta device" in r.getMessage()]
+        said = _setup_lines(caplog, strategy, module)
         assert len(said) == (name == "meta"), (name, said)
         told += said
         init[name] = module.at_start
     assert all(torch.equal(init["auto"][k], init["host"][k]) for k in init["auto"])
     assert not all(torch.equal(init["auto"][k], init["meta"][k]) for k in init["auto"])
     assert "LazyLlama.configure_model" in told[0] and "MegaTrainStrategy(meta_init=False)" in told[0]
+
+
+class LazyPretrained(LazyLlama):
+    """A user's module loading local Hugging Face weights in configure_model through the package's loader."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def configure_model(self) -> None:
+        from megatrain_lightning.models.build import load_pretrained
+
+        if self.model is None:
+            self.model = load_pretrained(self.path, attn_implementation="eager")
+
+
+def test_weights_read_from_a_checkpoint_are_not_said_to_differ(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only random values differ from an eager build: a pretrained model read block by block (its rotary
+    buffers computed, everything else from the files) gets no such line."""
+    L.seed_everything(0, verbose=False)
+    source = LazyLlama()
+    with torch.device("cpu"):
+        source.configure_model()
+    source.model.save_pretrained(tmp_path)
+    module = LazyPretrained(str(tmp_path))
+    assert _setup_lines(caplog, "megatrain", module) == []
+    assert all(torch.equal(v, source.model.state_dict()[k]) for k, v in module.at_start.items())
