@@ -206,6 +206,18 @@ BAD_FILES = {
     "no assistant turn": ('{"messages": [{"role": "user", "content": "q"}]}\n', ["bad.jsonl:1: the conversation has no assistant turn"]),
     "broken array": ('[\n {"query": "q", "response": "a"},\n {"query": "q2" "response": "a"}\n]\n', ["bad.jsonl:3: not valid JSON"]),
     "empty file": ("\n", ["holds no records"]),
+    # found by a sweep of bad input (2026-12-05): the first four trained on something else, silently
+    "two arrays": ('[{"query": "q", "response": "a"}]\n[{"query": "q2", "response": "b"}]\n',
+                   ["bad.jsonl:2: more text after the JSON array that closed on line 1", "one object per line"]),
+    "null response": ('{"query": "q", "response": "a"}\n{"query": "q", "response": null}\n',
+                      ["bad.jsonl:2: 'response' is null, not text", "drop the record"]),
+    "image part": ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}, '
+                   '{"role": "assistant", "content": "a"}]}\n',
+                   ["bad.jsonl:1: turn 0's 'content' holds content parts of types ['image_url']"]),
+    "content object": ('{"messages": [{"role": "user", "content": {"q": 1}}, {"role": "assistant", "content": "a"}]}\n',
+                       ["bad.jsonl:1: turn 0's 'content' is a JSON dict, not text"]),
+    "content under another key": ('{"messages": [{"role": "user", "text": "q"}, {"role": "assistant", "content": "a"}]}\n',
+                                  ["bad.jsonl:1: turn 0 is not an object with 'role' and 'content' (it has keys [role, text])"]),
 }
 
 
@@ -219,6 +231,22 @@ def test_bad_files_name_the_file_line_and_fix(tmp_path: Path, case: str) -> None
     for fragment in fragments:
         assert fragment in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_openai_text_parts_a_byte_order_mark_and_numbers_are_read_and_other_encodings_named(tmp_path: Path) -> None:
+    from megatrain_lightning.data.records import load_conversations
+
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Add"}, {"type": "text", "text": "2+2"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]}
+    path = tmp_path / "a.jsonl"
+    path.write_text("\ufeff" + json.dumps(parts) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "1+1"}, {"role": "assistant", "content": 2}]}) + "\n", encoding="utf-8")
+    (_, first), (_, second) = load_conversations(str(path))
+    assert first == [{"role": "user", "content": "Add\n2+2"}, {"role": "assistant", "content": "4"}]
+    assert second[1] == {"role": "assistant", "content": "2"}
+    path.write_bytes(b'{"query": "q", "response": "a"}\n{"query": "caf\xe9", "response": "a"}\n')
+    with pytest.raises(ConfigError, match=r"a.jsonl:2: not UTF-8 text .* save the file as UTF-8"):
+        load_conversations(str(path))
 
 
 def test_sizes_are_checked_with_the_key_named(tmp_path: Path) -> None:

@@ -40,10 +40,15 @@ def _line_of(text: str, pos: int) -> int:
 def read_records(path: str) -> list[tuple[int, Any]]:
     """(line number, parsed value) of each record of a JSON Lines file or a JSON array file."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark (Windows editors) is not text
             text = f.read()
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}): expected a .json or .jsonl file") from None
+        with open(path, "rb") as fb:
+            line = fb.read(err.start).count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start}): save the file as UTF-8 "
+            "(e.g. iconv -f latin1 -t utf-8)"
+        ) from None
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
     records: list[tuple[int, Any]] = []
@@ -60,6 +65,13 @@ def read_records(path: str) -> list[tuple[int, Any]]:
                 value, end = decoder.raw_decode(text, pos)
                 records.append((_line_of(text, pos), value))
                 pos = end
+            rest = pos + 1 + len(text[pos + 1:]) - len(text[pos + 1:].lstrip())
+            if rest < len(text):  # more after the array: two arrays, junk, or JSON Lines of arrays
+                raise ConfigError(
+                    f"{path}:{_line_of(text, rest)}: more text after the JSON array that closed on line "
+                    f"{_line_of(text, pos)}: a .json file holds one array of objects, a .jsonl file one object "
+                    "per line (not one array per line)"
+                )
         else:
             for number, line in enumerate(text.splitlines(), start=1):
                 if line.strip():
@@ -109,18 +121,38 @@ def _unknown(where: str, record: Any, query_key: str, response_key: str, wanted:
     )
 
 
+def _text(where: str, value: Any, what: str) -> str:
+    """A field's text: a string or number as it reads, OpenAI content parts (``[{"type": "text", "text": ...}]``)
+    joined by newlines; anything else (null, an image part, an object) refused by name."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, list) and value:
+        kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in value]
+        if all(k == "text" and isinstance(p.get("text"), str) for k, p in zip(kinds, value)):
+            return "\n".join(p["text"] for p in value)
+        raise ConfigError(
+            f"{where}: {what} holds content parts of types {sorted(set(map(str, kinds)))}; only text parts "
+            "({\"type\": \"text\", \"text\": ...}) are read: drop the other parts or the record"
+        )
+    shown = "null" if value is None else f"a JSON {type(value).__name__}"
+    raise ConfigError(f"{where}: {what} is {shown}, not text: give it a string or drop the record")
+
+
 def _turns(where: str, turns: list[Any], role_key: str, content_key: str) -> Conversation:
     out: Conversation = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise ConfigError(f"{where}: turn {i} is not an object with '{role_key}' and '{content_key}'")
+            found = f" (it has keys [{', '.join(map(str, turn))}])" if isinstance(turn, dict) else ""
+            raise ConfigError(f"{where}: turn {i} is not an object with '{role_key}' and '{content_key}'{found}")
         role = ROLES.get(str(turn[role_key]).lower())
         if role is None:
             raise ConfigError(
                 f"{where}: turn {i} has {role_key}={turn[role_key]!r}; the roles understood are "
                 f"{', '.join(sorted(ROLES))} (other roles, e.g. tool calls, are not supported: drop those turns)"
             )
-        out.append({"role": role, "content": str(turn[content_key])})
+        out.append({"role": role, "content": _text(where, turn[content_key], f"turn {i}'s {content_key!r}")})
     return out
 
 
@@ -129,14 +161,15 @@ def to_conversation(record: Any, fmt: str, where: str, query_key: str = "query",
     if not has_format(record, fmt, query_key, response_key):
         raise _unknown(where, record, query_key, response_key, fmt)
     if fmt == "metamath":
-        conv = [{"role": "user", "content": str(record[query_key])},
-                {"role": "assistant", "content": str(record[response_key])}]
+        conv = [{"role": "user", "content": _text(where, record[query_key], repr(query_key))},
+                {"role": "assistant", "content": _text(where, record[response_key], repr(response_key))}]
     elif fmt == "alpaca":
-        extra = str(record.get("input") or "")
-        prompt = str(record["instruction"]) + (f"\n\n{extra}" if extra.strip() else "")
-        conv = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record["output"])}]
+        extra = _text(where, record.get("input") or "", "'input'")
+        prompt = _text(where, record["instruction"], "'instruction'") + (f"\n\n{extra}" if extra.strip() else "")
+        conv = [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": _text(where, record["output"], "'output'")}]
         if record.get("system"):
-            conv.insert(0, {"role": "system", "content": str(record["system"])})
+            conv.insert(0, {"role": "system", "content": _text(where, record["system"], "'system'")})
     elif fmt == "messages":
         conv = _turns(where, record["messages"], "role", "content")
     else:
