@@ -120,6 +120,12 @@ def test_text_files_are_packed_into_full_rows(tmp_path: Path) -> None:
     assert torch.equal(batch["input_ids"], batch["labels"]) and batch["input_ids"].shape == (2, 16)
     with pytest.raises(ConfigError, match="does not exist"):
         PackedTextDataModule(path=str(tmp_path / "nowhere"))
+    # fewer rows than one batch: the loader dropped the partial batch and fit "succeeded" with no step (found by
+    # a sweep of bad input, 2026-12-05)
+    dm = PackedTextDataModule(path=str(tmp_path / "docs"), seq_len=16, batch_size=total // 16 + 1)
+    with pytest.raises(ConfigError, match=rf"docs: {total} tokens in all make {total // 16} rows of data.seq_len=16, "
+                                          rf"fewer than one batch of data.batch_size={total // 16 + 1}: give more text"):
+        dm.setup("fit")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         if not self.files:
             raise ConfigError(f"data.path={path} does not exist or holds no {'/'.join(suffixes)} files")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.seq_len, self.batch_size = seq_len, batch_size
+        self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
         self.rows: torch.Tensor | None = None
 
     @override
@@ -68,8 +68,12 @@ class PackedTextDataModule(pl.LightningDataModule):
                 stream.extend(self.tokenizer.encode(fh.read(), add_special_tokens=False))
             stream.append(self.tokenizer.eos_token_id)
         n = len(stream) // self.seq_len
-        if n == 0:
-            raise ConfigError(f"data.path: {len(stream)} tokens in all, fewer than one row of data.seq_len={self.seq_len}")
+        if n < self.batch_size:  # the loader drops a last partial batch: fewer rows would train no step at all
+            raise ConfigError(
+                f"data.path={self.path}: {len(stream):,} tokens in all make {n} rows of data.seq_len={self.seq_len}, "
+                f"fewer than one batch of data.batch_size={self.batch_size}: give more text, or lower data.seq_len "
+                "or data.batch_size"
+            )
         self.rows = torch.tensor(stream[: n * self.seq_len]).view(n, self.seq_len)  # [rows, seq_len]
 
     @override
