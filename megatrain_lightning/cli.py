@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,20 @@ def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareP
             f"strategy={name} runs only on CUDA GPUs, but hardware={hw.name} has accelerator={hw.accelerator}: "
             f"choose a GPU hardware profile, or strategy=megatrain or strategy=single_device"
         )
+
+
+def resume_from(ckpt_path: Any) -> str | None:
+    """``ckpt_path=...``: an existing checkpoint (a file, or a directory of shards), ``~`` expanded; refused by name
+    before anything is built where there is none."""
+    if ckpt_path is None:
+        return None
+    path = os.path.expanduser(str(ckpt_path))
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} does not exist: give the checkpoint of an earlier run, e.g. "
+            "ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt (the run directory its log printed)"
+        )
+    return path
 
 
 def check_trainer_values(node: DictConfig) -> None:
@@ -285,11 +300,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from megatrain_lightning.callbacks import RunSummary
     from megatrain_lightning.callbacks.memory import peak_gpu_reserved_bytes, peak_host_rss_bytes
     from megatrain_lightning.callbacks.throughput import ThroughputMonitor
-    from megatrain_lightning.schema import check_config
+    from megatrain_lightning.schema import check_config, check_root
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)
     try:
+        check_root(cfg)
+        ckpt_path = resume_from(cfg.get("ckpt_path"))
         check_config(cfg, groups=("hardware",))
         hw = resolve_hardware(cfg)
         check_config(cfg, groups=("trainer", "data", "model", "strategy"))  # after: they read ${hardware.*}
@@ -331,7 +348,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start_em = None
     if validates:
         start_em = _metric(trainer.validate(model, datamodule=data, verbose=False)[0], "val/exact_match")
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     run = _find(trainer.callbacks, RunSummary)
     final: dict[str, Any] = {}
     if validates:  # the fit's own last validation, when it ran on the final weights; else one more

@@ -136,6 +136,24 @@ def _describe(annotation: Any) -> str:
     return text or str(annotation).replace("typing.", "")
 
 
+# conf/train.yaml's top-level keys (experiments set groups' keys and hydra's); `+key=...` adds any other silently
+ROOT_KEYS = ("model", "data", "hardware", "strategy", "trainer", "seed", "ckpt_path", "paths")
+
+
+def check_root(cfg: DictConfig) -> None:
+    """Refuse a top-level key train.py does not read (``+ckpt_paht=...`` would otherwise be ignored) and a seed
+    that is not an integer."""
+    for key in cfg:
+        if key not in ROOT_KEYS:
+            close = difflib.get_close_matches(str(key), ROOT_KEYS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"its top-level keys: {', '.join(ROOT_KEYS)}"
+            raise ConfigError(f"{key}: train.py reads no top-level setting {key!r} ({hint}); a group's setting is "
+                              "written group.key=value, e.g. trainer.max_steps=10")
+    seed = cfg.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed={seed!r}: expected an integer, e.g. seed=0")
+
+
 def check_config(cfg: DictConfig, groups: tuple[str, ...] = ("hardware", "trainer", "data", "model", "strategy")) -> None:
     """Type-check the config groups of a composed training config (ConfigError on the first problem). The
     order matters where one value is interpolated into another (`model.decay_steps: ${trainer.max_steps}`):

@@ -121,6 +121,13 @@ BAD_INPUT = {
     ),
     "max_steps not a number": (["trainer.max_steps=abc"], ["error: trainer.max_steps='abc': expected an integer", "trainer.max_steps=-1"]),
     "misspelt trainer key": (["+trainer.max_step=5"], ["error: trainer.max_step: Trainer has no parameter 'max_step'", "did you mean trainer.max_steps?"]),
+    # found by a sweep of bad input (2026-12-05): an unknown top-level key was ignored (so was a resume), a seed
+    # that is not a number ended in Lightning's traceback
+    "misspelt top-level key": (["+ckpt_paht=last.ckpt"], ["error: ckpt_paht: train.py reads no top-level setting "
+                                                           "'ckpt_paht' (did you mean ckpt_path?)"]),
+    "missing resume checkpoint": (["ckpt_path=/nonexistent/last.ckpt"],
+                                  ["error: ckpt_path=/nonexistent/last.ckpt does not exist", "checkpoints/last.ckpt"]),
+    "seed not a number": (["seed=abc"], ["error: seed='abc': expected an integer"]),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],
         ["error: model=qwen2_5_72b (72.71 B parameters) needs", "899.5 GB of host memory", "hardware=cpu has 32 GB"],
@@ -267,3 +274,20 @@ def test_without_validation_last_checkpoint_and_export_and_random_tokens_save_no
     assert (tmp_path / "text" / "hf" / "model.safetensors").is_file()
     assert synthetic["hf_dir"] is None and synthetic["last_checkpoint"] is None
     assert not (tmp_path / "synthetic" / "hf").exists() and not (tmp_path / "synthetic" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_an_earlier_runs_checkpoint(tmp_path: Path) -> None:
+    """`python train.py ckpt_path=<run>/checkpoints/last.ckpt`: Lightning restores weights, optimizer and step."""
+    first = subprocess.run(train_cmd("trainer.max_steps=4", "hardware=cpu"), cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (ckpt,) = tmp_path.glob("outputs/*/*/checkpoints/last.ckpt")
+    again = subprocess.run(train_cmd(f"ckpt_path={ckpt}", "trainer.max_steps=6", "hardware=cpu"), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {ckpt}" in again.stdout + again.stderr
+    run_dir = Path(re.findall(r"run directory: (\S+)", again.stdout + again.stderr)[-1])
+    assert run_dir != ckpt.parent.parent
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert "`Trainer.fit` stopped: `max_steps=6` reached" in again.stdout + again.stderr
