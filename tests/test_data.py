@@ -311,3 +311,14 @@ def test_final_answers_are_extracted_as_math_evaluations_do() -> None:
     assert extract_answer(" Paris. ") == "Paris"
     assert same_answer("The answer is: 18.0", "#### 18") and same_answer("x = -3", "-3")
     assert not same_answer("The answer is: 17", "18") and not same_answer("201", "20")
+
+
+def test_a_home_relative_data_path_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`data.path='~/train.jsonl'` (quoted past the shell) names the file under $HOME, as checkpoint paths do."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write_jsonl(tmp_path / "train.jsonl", [{"query": f"q{i}", "response": "a"} for i in range(4)])
+    (tmp_path / "corpus.txt").write_text("hello world " * 20)
+    dm = JsonSFTDataModule(path="~/train.jsonl", val_size=0, batch_size=2)
+    dm.setup("fit")
+    assert len(dm.train_samples) == 4
+    assert PackedTextDataModule(path="~/corpus.txt", seq_len=16, batch_size=2).files == [str(tmp_path / "corpus.txt")]

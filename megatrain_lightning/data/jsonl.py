@@ -60,6 +60,7 @@ class JsonSFTDataModule(QADataModule):
         max_length: int = 512,
         num_workers: int = 0,
     ) -> None:
+        path, val_path = (os.path.expanduser(p) if isinstance(p, str) else p for p in (path, val_path))  # '~/data.jsonl'
         for key, p in (("data.path", path), ("data.val_path", val_path)):
             if p is not None and not os.path.isfile(p):
                 what = "a directory, not a file" if os.path.isdir(p) else "does not exist"

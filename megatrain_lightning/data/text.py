@@ -22,6 +22,7 @@ from megatrain_lightning.errors import ConfigError
 
 def text_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     """The files `path` names: one file, every file under a directory with a matching suffix, or a glob."""
+    path = os.path.expanduser(path)  # '~/corpus'
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
