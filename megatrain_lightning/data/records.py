@@ -65,8 +65,9 @@ def read_records(path: str) -> list[tuple[int, Any]]:
                 value, end = decoder.raw_decode(text, pos)
                 records.append((_line_of(text, pos), value))
                 pos = end
-            rest = pos + 1 + len(text[pos + 1:]) - len(text[pos + 1:].lstrip())
-            if rest < len(text):  # more after the array: two arrays, junk, or JSON Lines of arrays
+            after = text[pos + 1:]
+            if after.strip():  # more after the array: two arrays, junk, or JSON Lines of arrays
+                rest = len(text) - len(after.lstrip())
                 raise ConfigError(
                     f"{path}:{_line_of(text, rest)}: more text after the JSON array that closed on line "
                     f"{_line_of(text, pos)}: a .json file holds one array of objects, a .jsonl file one object "
