@@ -269,12 +269,12 @@ class MegaTrainStrategy(ParallelStrategy):
         )
         if init.drew_random() and not getattr(module, "meta_init_matches_eager", False):
             rank_zero_info(
-                f"{type(module).__name__}.configure_model's modules were built on the meta device and initialised in the "
-                "host store (MegaTrainStrategy(meta_init=True): peak host memory the store plus about one block). Its "
-                "random values are drawn afresh by _init_weights / reset_parameters, so a seed gives other initial "
-                "weights than an eager build under Lightning's default strategy, and the losses differ from the "
-                "first step (the training is the same). MegaTrainStrategy(meta_init=False) builds it on the host "
-                "as that strategy does."
+                f"{type(module).__name__}.configure_model's modules were built on the meta device and initialised "
+                "in the host store (MegaTrainStrategy(meta_init=True): peak host memory the store plus about one "
+                "block). Their random values are drawn afresh by _init_weights / reset_parameters, so a seed gives "
+                "other initial weights than an eager build under Lightning's default strategy, and the losses differ "
+                "from the first step (the training is the same). MegaTrainStrategy(meta_init=False) builds them on "
+                "the host as that strategy does."
             )
         if self._pending_model_state is not None:  # a checkpoint restored before setup
             pending, self._pending_model_state = self._pending_model_state, None
