@@ -130,9 +130,10 @@ class EngineConfig:
             Not bit for bit (fused kernels round differently: bf16, 4e-4 relative on a layer's output). Each
             block class compiles once (tens of seconds in the first steps; a new input shape compiles again);
             a function that fails to compile runs eager, with one warning. Hugging Face's experts
-            (``*Experts`` modules) run eager inside a compiled block. ``None``: on a CUDA device under mixed
-            precision (bf16/fp16) for blocks without experts; off in fp32 (bit for bit with Lightning's
-            default strategy) and on the CPU.
+            (``*Experts`` modules) run eager inside a compiled block (GPT-OSS-20B on the H200: 224.9 -> 256.9
+            model TFLOPS). ``None``: on a CUDA device under mixed precision (bf16/fp16), except blocks that
+            route to experts without an ``*Experts`` module; off in fp32 (bit for bit with Lightning's default
+            strategy) and on the CPU.
     """
 
     slots: int | None = None

@@ -82,9 +82,10 @@ class Run:
         return bool(self.engine.bf16_grads) and self.work.bf16 and self.work.accumulate == 1 and not self.work.clip
 
     def compiled(self, moe: bool = False) -> bool:
-        """Whether the blocks (``moe``: with experts) run through torch.compile (``EngineConfig.compile_blocks``;
-        None: dense blocks under bf16, the planner planning a CUDA device: ``engine/compiled.py``)."""
-        return self.work.bf16 and not moe if self.engine.compile_blocks is None else self.engine.compile_blocks
+        """Whether the blocks (``moe``: with experts, compiled around Hugging Face's ``*Experts``) run through
+        torch.compile (``EngineConfig.compile_blocks``; None: under bf16, the planner planning a CUDA device:
+        ``engine/compiled.py``)."""
+        return self.work.bf16 if self.engine.compile_blocks is None else self.engine.compile_blocks
 
     @property
     def update_on_device(self) -> bool:
