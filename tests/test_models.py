@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,20 @@ def test_finetune_on_packed_chat_data_exports_a_model_with_its_chat_template(tmp
     tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(rows[0]["messages"], tokenize=False)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf").config.vocab_size == len(tok)
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"lr": -1.0}, "model.lr=-1.0: a positive learning rate"),
+    ({"lr": float("nan")}, "model.lr=nan"),
+    ({"betas": (0.9, 1.5)}, "model.betas=[0.9, 1.5]: two numbers in [0, 1)"),
+    ({"weight_decay": -0.1}, "model.weight_decay=-0.1: zero or more"),
+    ({"min_lr_ratio": 2.0}, "model.min_lr_ratio=2.0"),
+    ({"config": {**TINY, "num_hidden_layers": 0}}, "model.config.num_hidden_layers=0: the model needs at least one block"),
+])
+def test_settings_torch_would_refuse_later_are_refused_by_key(override: dict, named: str) -> None:
+    """A bad optimizer setting or a model without blocks is refused at construction, naming the key (they ended
+    in tracebacks from torch's AdamW and the block finder once the run had started: 2026-12-05's sweep)."""
+    from megatrain_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        CausalLM(**{"config": TINY, **override})

@@ -134,8 +134,13 @@ class CausalLM(pl.LightningModule):
             raise ConfigError("set model.config (random init) or model.pretrained=/path/to/hf_checkpoint")
         if config is not None and pretrained is not None:
             log.info("model.pretrained=%s is set: model.config is ignored", pretrained)
+        _check_optimizer_settings(lr, betas, weight_decay, warmup_steps, min_lr_ratio)
         self.save_hyperparameters()
         self.hf_config = pretrained_config(pretrained) if pretrained else hf_config(dict(config))
+        layers = getattr(self.hf_config.get_text_config(), "num_hidden_layers", None)
+        if isinstance(layers, int) and layers < 1:
+            raise ConfigError(f"model.config.num_hidden_layers={layers}: the model needs at least one block to "
+                              "train (the strategy streams its blocks), e.g. model.config.num_hidden_layers=2")
         self.hf_config.use_cache = False  # no KV cache: training recomputes, and decoding here is cache-free
         self.tokenizer = load_tokenizer(pretrained)
         vocab = self.hf_config.get_text_config().vocab_size
@@ -289,3 +294,24 @@ class CausalLM(pl.LightningModule):
         schedule = WarmupCosine(hp.warmup_steps, hp.decay_steps, hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _check_optimizer_settings(lr: float, betas: Any, weight_decay: float, warmup_steps: int,
+                              min_lr_ratio: float) -> None:
+    """Refuse, naming the key, AdamW settings that torch refuses only later with a traceback (after the data
+    is read) and a final learning-rate share outside [0, 1] (the schedule would end above model.lr)."""
+    import math
+
+    problems = []
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        problems.append(f"model.lr={lr}: a positive learning rate, e.g. model.lr=3e-4")
+    if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        problems.append(f"model.betas={list(betas)}: two numbers in [0, 1), e.g. model.betas=[0.9,0.95]")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
+        problems.append(f"model.weight_decay={weight_decay}: zero or more, e.g. model.weight_decay=0.1")
+    if warmup_steps < 0:
+        problems.append(f"model.warmup_steps={warmup_steps}: zero or more")
+    if not 0 <= min_lr_ratio <= 1:
+        problems.append(f"model.min_lr_ratio={min_lr_ratio}: the final learning rate's share of model.lr, in [0, 1]")
+    if problems:
+        raise ConfigError("; ".join(problems))
