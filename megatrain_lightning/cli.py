@@ -233,6 +233,18 @@ def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool
     return callbacks
 
 
+def warn_if_past_positions(data_node: DictConfig, text_config: Any) -> None:
+    """One warning when the data's rows (``data.seq_len``, or ``data.max_length`` for chat data) are longer
+    than the positions the model was configured for: its rotary embedding extrapolates past them."""
+    key = "seq_len" if "seq_len" in data_node else "max_length"
+    length, positions = data_node.get(key), getattr(text_config, "max_position_embeddings", None)
+    if isinstance(length, int) and isinstance(positions, int) and length > positions:
+        log.warning("data.%s=%d is longer than the model's max_position_embeddings=%d: positions past %d are "
+                    "extrapolated. Set data.%s=%d, or model.config.max_position_embeddings=%d for a model built from "
+                    "model.config (a pretrained one needs rope_scaling)", key, length, positions, positions, key,
+                    positions, length)
+
+
 def warn_if_disk_is_short(out_dir: Path, num_params: int, callbacks: list[Any], host_state: str | None) -> None:
     """A warning (not a refusal: these are estimates) when the run's checkpoints and export may not fit the disk."""
     import shutil
@@ -331,6 +343,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _write_json(out_dir / "run_info.json", info)
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
         data.setup("fit")  # read and tokenise now: bad data fails here, not after the model is built
+        warn_if_past_positions(cfg.data, model.hf_config.get_text_config())
         validates = has_validation(cfg.trainer, data)
         callbacks = build_callbacks(cfg.trainer, validates, saves_model=getattr(data, "saves_model", True))
         engine = cfg.strategy.get("engine") if _is_megatrain(cfg.strategy) else None

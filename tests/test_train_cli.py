@@ -291,3 +291,21 @@ def test_a_run_resumes_from_an_earlier_runs_checkpoint(tmp_path: Path) -> None:
     assert run_dir != ckpt.parent.parent
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
     assert "`Trainer.fit` stopped: `max_steps=6` reached" in again.stdout + again.stderr
+
+
+def test_rows_longer_than_the_models_positions_are_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """data.seq_len (or a chat set's max_length) past the model's max_position_embeddings trains on
+    extrapolated positions: one warning naming both keys (it was silent); within them, none."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig
+
+    from megatrain_lightning.cli import warn_if_past_positions
+
+    config = LlamaConfig(max_position_embeddings=64)
+    with caplog.at_level("WARNING", logger="megatrain_lightning.cli"):
+        warn_if_past_positions(OmegaConf.create({"seq_len": 64}), config)
+        assert not caplog.records
+        warn_if_past_positions(OmegaConf.create({"max_length": 128}), config)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "data.max_length=128 is longer than the model's max_position_embeddings=64"]
+    assert "data.max_length=64, or model.config.max_position_embeddings=128" in caplog.records[0].getMessage()
