@@ -128,6 +128,22 @@ def test_text_files_are_packed_into_full_rows(tmp_path: Path) -> None:
         dm.setup("fit")
 
 
+def test_text_files_that_are_not_utf8_are_read_with_one_warning_naming_the_first(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A corpus file with bytes that are not UTF-8 is read with U+FFFD in their place, as before, but said (it was
+    silent), naming the file and line; line endings read as open() in text mode reads them."""
+    (tmp_path / "a.txt").write_bytes(b"line one\r\nline two\r\ncaf\xe9 au lait\n" * 4)
+    (tmp_path / "b.txt").write_text("all good here " * 8)
+    dm = PackedTextDataModule(path=str(tmp_path), seq_len=8, batch_size=1)
+    with caplog.at_level("WARNING", logger="megatrain_lightning.data.text"):
+        dm.setup("fit")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"1 of 2 files under data.path are not UTF-8 (first: {tmp_path / 'a.txt'}:3): their undecodable bytes are "
+        "read as U+FFFD; save them as UTF-8 to train on their text"]
+    text = bytes(t for t in dm.rows.flatten().tolist() if t < 256).decode("utf-8")
+    assert text.startswith("line one\nline two\ncaf\ufffd au lait\n")
+
+
 # ---------------------------------------------------------------------------------------------
 # the formats fine-tuners bring, chat templates, packing, and bad files
 # ---------------------------------------------------------------------------------------------
@@ -322,3 +338,19 @@ def test_a_home_relative_data_path_is_expanded(tmp_path: Path, monkeypatch: pyte
     dm.setup("fit")
     assert len(dm.train_samples) == 4
     assert PackedTextDataModule(path="~/corpus.txt", seq_len=16, batch_size=2).files == [str(tmp_path / "corpus.txt")]
+
+
+def test_records_with_only_empty_answers_are_counted_in_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An empty answer trains the model to stop at once: said once, with the count and the first line (it was
+    silent); a file whose answers all have text says nothing."""
+    from megatrain_lightning.data.records import load_conversations
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"query": "1+1", "response": "2"}\n{"query": "q", "response": "  "}\n{"query": "r", "response": ""}\n')
+    with caplog.at_level("WARNING", logger="megatrain_lightning.data.records"):
+        assert len(load_conversations(str(path))) == 3
+        path.write_text('{"query": "1+1", "response": "2"}\n')
+        load_conversations(str(path))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"2 of 3 records have only empty answers (first: {path}:2): they teach the model to stop at once; "
+        "drop them if that is not meant"]

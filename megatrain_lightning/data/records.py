@@ -18,9 +18,12 @@ assistant turn) is a ConfigError naming the file and line and what to change.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from megatrain_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 Conversation = list[dict[str, str]]
 
@@ -192,4 +195,10 @@ def load_conversations(path: str, fmt: str = "auto", query_key: str = "query",
         fmt = detect_format(first, query_key, response_key) or ""
         if not fmt:
             raise _unknown(f"{path}:{line}", first, query_key, response_key, None)
-    return [(f"{path}:{line}", to_conversation(r, fmt, f"{path}:{line}", query_key, response_key)) for line, r in records]
+    convs = [(f"{path}:{line}", to_conversation(r, fmt, f"{path}:{line}", query_key, response_key)) for line, r in records]
+    empty = [where for where, conv in convs
+             if not any(m["content"].strip() for m in conv if m["role"] == "assistant")]
+    if empty:
+        log.warning("%d of %d records have only empty answers (first: %s): they teach the model to stop at once; "
+                    "drop them if that is not meant", len(empty), len(convs), empty[0])
+    return convs

@@ -8,7 +8,9 @@ trade: no wasted compute, a little attention across document boundaries.
 from __future__ import annotations
 
 import glob
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +20,8 @@ from typing_extensions import override
 
 from megatrain_lightning.data.tokenizer import ByteTokenizer
 from megatrain_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def text_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
@@ -64,10 +68,22 @@ class PackedTextDataModule(pl.LightningDataModule):
         if self.rows is not None:
             return
         stream: list[int] = []
+        not_utf8: list[str] = []  # file:line of each file's first byte that is not UTF-8
         for f in self.files:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                stream.extend(self.tokenizer.encode(fh.read(), add_special_tokens=False))
+            raw = Path(f).read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line = raw.count(b"\n", 0, err.start) + 1
+                not_utf8.append(f"{f}:{line}")
+                text = raw.decode("utf-8", errors="replace")
+            text = text.replace("\r\n", "\n").replace("\r", "\n")  # as open() in text mode reads it
+            stream.extend(self.tokenizer.encode(text, add_special_tokens=False))
             stream.append(self.tokenizer.eos_token_id)
+        if not_utf8:
+            log.warning("%d of %d files under data.path are not UTF-8 (first: %s): their undecodable bytes are read "
+                        "as U+FFFD; save them as UTF-8 to train on their text", len(not_utf8), len(self.files),
+                        not_utf8[0])
         n = len(stream) // self.seq_len
         if n < self.batch_size:  # the loader drops a last partial batch: fewer rows would train no step at all
             raise ConfigError(
