@@ -157,6 +157,23 @@ def test_pretrained_checkpoint_loads_weights_and_its_tokenizer(tmp_path: Path) -
     assert module.model_shape.total_params == sum(p.numel() for p in ref.parameters())
 
 
+def test_a_checkpoint_directory_without_weights_is_refused_by_name(tmp_path: Path) -> None:
+    """config.json without weight files: refused at construction, naming the directory and the fix (it failed in
+    transformers' loader once validation had started: 2026-12-05's sweep); the planner reads the config alone."""
+    import shutil
+
+    from megatrain_lightning.errors import ConfigError
+    from megatrain_lightning.models.build import pretrained_config
+
+    path = write_demo_checkpoint(tmp_path / "ckpt")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(path / "config.json", bare / "config.json")
+    with pytest.raises(ConfigError, match=re.escape(f"model.pretrained={bare} has a config.json but no weights")):
+        CausalLM(name="p", pretrained=str(bare))
+    assert pretrained_config(str(bare), weights=False).vocab_size == pretrained_config(str(path)).vocab_size
+
+
 def test_finetune_experiment_on_local_checkpoint_and_jsonl(tmp_path: Path) -> None:
     ckpt = write_demo_checkpoint(tmp_path / "ckpt")
     rows = [{"query": f"{a}+{b}=", "response": str(a + b)} for a in range(10) for b in range(10)]

@@ -49,13 +49,22 @@ def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     return built
 
 
-def pretrained_config(path: str) -> PretrainedConfig:
-    """The config of a local Hugging Face checkpoint directory; never touches the network."""
+def pretrained_config(path: str, weights: bool = True) -> PretrainedConfig:
+    """The config of a local Hugging Face checkpoint directory; never touches the network. ``weights``: the
+    directory must hold weight files too (the planner reads the config alone)."""
     if not os.path.isdir(path):
         raise ConfigError(f"model.pretrained={path} does not exist (it must be a local Hugging Face checkpoint directory)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.pretrained={path} has no config.json: not a Hugging Face checkpoint directory")
+    if weights and not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
+        raise ConfigError(f"model.pretrained={path} has a config.json but no weights (*.safetensors, *.bin, *.pt, "
+                          "*.pth): copy the checkpoint's weight files there, or set model.config for a model trained "
+                          "from random initialisation")
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+# the files transformers' from_pretrained reads weights from (safetensors, torch pickles, and their indexes)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 def meta_model(config: PretrainedConfig, attn_implementation: str | None = None) -> PreTrainedModel:

@@ -60,7 +60,7 @@ def model_shape(cfg: Any) -> PlanShape:
 
     m = cfg.model
     if m.get("pretrained"):
-        config = pretrained_config(m.pretrained)
+        config = pretrained_config(m.pretrained, weights=False)
     else:  # plain containers: transformers' strict config fields refuse a DictConfig (rope_parameters)
         config = hf_config(OmegaConf.to_container(m.config, resolve=True) if OmegaConf.is_config(m.config) else dict(m.config))
     return PlanShape.of(meta_model(config))
