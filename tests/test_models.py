@@ -217,6 +217,19 @@ def test_finetune_on_packed_chat_data_exports_a_model_with_its_chat_template(tmp
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf").config.vocab_size == len(tok)
 
 
+def test_configs_transformers_refuses_are_one_line_naming_the_key() -> None:
+    """A misspelt model type gets the nearest one; a config its class validates away (heads not dividing the
+    width) gets transformers' own reason in one line (both were Hydra-wrapped tracebacks)."""
+    from megatrain_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("model.config.model_type='lama' is not a transformers model type "
+                                                    "(did you mean llama?)")):
+        hf_config({**TINY, "model_type": "lama"})
+    with pytest.raises(ConfigError, match=r"^model.config \(llama\) is refused by transformers: .*hidden size \(32\) "
+                                          r"is not a multiple of the number of attention heads \(5\)"):
+        hf_config({**TINY, "num_attention_heads": 5})
+
+
 @pytest.mark.parametrize("override, named", [
     ({"lr": -1.0}, "model.lr=-1.0: a positive learning rate"),
     ({"lr": float("nan")}, "model.lr=nan"),

@@ -12,12 +12,13 @@ as it materialises it into the host store.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.init import attach_weights_source
@@ -33,10 +34,15 @@ def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     model_type = params.pop("model_type", None)
     if model_type is None:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, qwen3, mistral, gpt_oss)")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
+        raise ConfigError(f"model.config.model_type={model_type!r} is not a transformers model type"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
     try:
         built = AutoConfig.for_model(model_type, **params)
-    except ValueError as err:
-        raise ConfigError(f"model.config.model_type={model_type!r} is not a transformers model type") from err
+    except Exception as err:  # the config class's own validation (ValueError, huggingface_hub's validators)
+        reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
+        raise ConfigError(f"model.config ({model_type}) is refused by transformers: {reason[0]}") from err
     vocab = getattr(built, "vocab_size", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(built, key, None)
