@@ -12,6 +12,7 @@ copy to count parameters (which the fit check and the TFLOPS figure need before 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -300,8 +301,6 @@ def _check_optimizer_settings(lr: float, betas: Any, weight_decay: float, warmup
                               min_lr_ratio: float) -> None:
     """Refuse, naming the key, AdamW settings that torch refuses only later with a traceback (after the data
     is read) and a final learning-rate share outside [0, 1] (the schedule would end above model.lr)."""
-    import math
-
     problems = []
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         problems.append(f"model.lr={lr}: a positive learning rate, e.g. model.lr=3e-4")

@@ -23,7 +23,7 @@ def verdict(plan: Plan) -> str:
 def format_plan(plan: Plan) -> str:
     """The short table the planner prints."""
     s, w, e = plan.shape, plan.run.work, plan.run.engine
-    compiled = plan.run.compiled(moe=s.routed_rows > 0)
+    compiled = plan.run.compiled()
     n = s.total_params
     lines = [
         verdict(plan),

@@ -81,9 +81,9 @@ class Run:
         """Whether block gradients travel and wait on the host as bf16 (straight into the overlapped update)."""
         return bool(self.engine.bf16_grads) and self.work.bf16 and self.work.accumulate == 1 and not self.work.clip
 
-    def compiled(self, moe: bool = False) -> bool:
-        """Whether the blocks (``moe``: with experts, compiled around Hugging Face's ``*Experts``) run through
-        torch.compile (``EngineConfig.compile_blocks``; None: under bf16, the planner planning a CUDA device:
+    def compiled(self) -> bool:
+        """Whether the blocks run through torch.compile (``EngineConfig.compile_blocks``; None: under bf16, the
+        planner planning a CUDA device; blocks with Hugging Face's experts compiled around them:
         ``engine/compiled.py``)."""
         return self.work.bf16 if self.engine.compile_blocks is None else self.engine.compile_blocks
 

@@ -109,7 +109,7 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     """
     w, e = run.work, run.engine
     tokens = w.tokens
-    rate = matmul_efficiency(shape.hidden, run.compiled(moe=shape.routed_rows > 0)) * hw.peak_bf16_tflops * 1e12
+    rate = matmul_efficiency(shape.hidden, run.compiled()) * hw.peak_bf16_tflops * 1e12
     attn_rate = ATTENTION_EFFICIENCY * hw.peak_bf16_tflops * 1e12
     link = hw.link_gb_per_s * GB / (1 if pinned_ok else PAGEABLE_SLOWDOWN)
     layers = max(shape.layers, 1)
