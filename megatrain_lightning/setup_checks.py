@@ -39,6 +39,8 @@ def check_supported(module: pl.LightningModule, trainer: pl.Trainer) -> None:
                 "auxiliary loss its gradient through streamed blocks. Upgrade transformers to 5.x, or set "
                 "config.output_router_logits=False (router_aux_loss_coef then has no effect)."
             )
+        if cfg is not None and fitting:
+            refuse_state_across_blocks(type(m).__name__, cfg)
     sparse = [n for n, m in module.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
     if sparse:
@@ -59,6 +61,28 @@ def check_supported(module: pl.LightningModule, trainer: pl.Trainer) -> None:
         "norm", "value", "GradClipAlgorithmType.NORM", "GradClipAlgorithmType.VALUE"
     ):
         raise ValueError(f"unsupported gradient_clip_algorithm {trainer.gradient_clip_algorithm}")
+
+
+def refuse_state_across_blocks(name: str, config: object) -> None:
+    """Hugging Face models whose blocks hand tensors to later blocks, or to their own next call, outside their
+    inputs and outputs: a streamed block runs without a graph and is recomputed in the backward, so what it handed
+    on would carry no gradient, or the recompute would start from another state. Refused by config at setup (the
+    first forward's check, ``engine/first_call.py``, finds them too, a step later)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shared = getattr(text, "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:
+        raise ValueError(
+            f"MegaTrainStrategy cannot train {name} exactly: its last config.num_kv_shared_layers={shared} layers "
+            "read the keys and values an earlier layer stored in shared_kv_states, and a streamed layer's stored "
+            "keys would reach them without a gradient (its k_proj, v_proj and everything before it would get too "
+            "little). Train it with Lightning's default strategy (or FSDP), or build it with "
+            "num_kv_shared_layers=0 (a different model).")
+    if getattr(text, "model_type", None) == "recurrent_gemma":
+        raise ValueError(
+            f"MegaTrainStrategy cannot train {name} exactly: its recurrent blocks keep their state between calls "
+            "(temporal_block.conv1d_state, rg_lru.recurrent_states) and start from it, so a streamed block "
+            "recomputed in the backward would start from the state its forward left. Train it with Lightning's "
+            "default strategy (or FSDP).")
 
 
 def experts_hint(module: pl.LightningModule) -> str | None:

@@ -135,7 +135,29 @@ SHARED: dict[str, tuple[str, Callable[[], Any], Callable[..., tuple], Callable[.
         use_shared_attention_adapter=False, use_mem_rope=False, adapter_rank=4),
         lambda n, s, k: (_tokens(n, s, k),), _lm),
 }
-SPECS = {**FAMILIES, **SHARED}
+# Tensors handed between blocks (or to a block's next call) outside their inputs and outputs: refused at setup
+# (test_state_across_blocks_refused_at_setup). Gemma3n and Gemma4 with KV sharing trained silently wrong before
+# (2026-12-05's sweep: the shared layers' keys reached them without a gradient, 98 of 98 tensors apart).
+STATE_ACROSS: dict[str, tuple[str, Callable[[], Any], Callable[..., tuple], Callable[..., dict]]] = {
+    "gemma3n_text": ("Gemma3nForCausalLM", lambda: _config(
+        "Gemma3nTextConfig", vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, hidden_size_per_layer_input=8,
+        intermediate_size=[64] * 4, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, sliding_window=8, altup_num_inputs=2, laurel_rank=4,
+        activation_sparsity_pattern=[0.0] * 4, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        lambda n, s, k: (_tokens(n, s, k),), _lm),
+    "gemma4_text": ("Gemma4ForCausalLM", lambda: _config(
+        "Gemma4TextConfig", **{**LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=V,
+        hidden_size_per_layer_input=8, per_layer_config={}, num_kv_shared_layers=2),
+        lambda n, s, k: (_tokens(n, s, k),), _lm),
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", lambda: _config(
+        "RecurrentGemmaConfig", num_hidden_layers=3, vocab_size=V, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, lru_width=32, attention_window_size=8,
+        conv1d_width=4, block_types=["recurrent", "recurrent", "attention"]),
+        lambda n, s, k: (_tokens(n, s, k),), _lm),
+}
+SPECS = {**FAMILIES, **SHARED, **STATE_ACROSS}
 
 # A key projection's bias has an analytically zero gradient (softmax is shift-invariant along the keys): both
 # runs move it by rounding noise alone, relative to a norm that is itself noise. Checked in absolute terms.
@@ -194,6 +216,18 @@ def test_shared_weights_refused_naming_the_block_class_that_works(family: str, n
         pytest.skip(f"transformers {transformers.__version__} has no {SPECS[family][0]}")
     _, _, refused = parity_or_refusal(lambda: Family(family=family), names=names, max_steps=3)
     assert refused is not None, "expected a refusal at setup (weights shared across depths)"
+
+
+@pytest.mark.parametrize("family, names", [
+    ("gemma3n_text", ["Gemma3nForCausalLM", "num_kv_shared_layers=2", "shared_kv_states"]),
+    ("gemma4_text", ["Gemma4ForCausalLM", "num_kv_shared_layers=2", "shared_kv_states"]),
+    ("recurrent_gemma", ["RecurrentGemmaForCausalLM", "rg_lru.recurrent_states"]),  # refused a step late before
+])
+def test_state_across_blocks_refused_at_setup(family: str, names: list[str]) -> None:
+    if not _available(family):
+        pytest.skip(f"transformers {transformers.__version__} has no {SPECS[family][0]}")
+    _, _, refused = parity_or_refusal(lambda: Family(family=family), names=names, max_steps=3)
+    assert refused is not None, "expected a refusal at setup (tensors handed on outside the blocks' outputs)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ runs with a graph as its recompute will, and refuses by name, in one paragraph w
 * reads a trainable parameter beyond its inputs and its own weights (a resident one through a plain
   attribute): no gradient would reach it;
 * keeps a tensor of its forward with a gradient history beyond its outputs: a forward hook's list, an attribute
-  such as ``self.aux_loss`` (a loss built from it would send no gradient into the block);
+  such as ``self.aux_loss`` (a loss built from it would send no gradient into the block), a container passed to it
+  that it writes into (Gemma3n's ``shared_kv_states``: a later block would read the keys as constants);
 * has a gradient hook on one of its parameters (``register_hook``, ``register_post_accumulate_grad_hook``):
   the block's gradients reach the host accumulator without autograd on the parameter, so it would not run;
 * changes its input tensors or its buffers in place: the recompute starts from the saved inputs and buffers.
@@ -23,6 +24,7 @@ built: the recorded tensors become the Function's outputs as they are.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -62,6 +64,8 @@ class FirstCall:
         names = self.names
         self._grad_hooks(names)
         attrs = dict(_tensor_attrs(self.module))
+        passed = _containers(self.args, self.kwargs)  # what the block may write into, and what they hold now
+        held = {name: {id(t) for t in _tensors_in(c)} for name, c in passed}
         hooked: list[tuple[str, weakref.ref]] = []
         handles = [m.register_forward_hook(_note_outputs(path, hooked))
                    for path, m in self.module.named_modules() if path and m._forward_hooks]
@@ -81,6 +85,8 @@ class FirstCall:
         recomputed = _recomputed_weights(self.module)
         escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
                    if attrs.get((path, name)) is not t and t.grad_fn is not None and (path, name) not in recomputed]
+        escaped += [f"the {type(c).__name__} passed as its {name}" for name, c in passed
+                    if any(t.grad_fn is not None and id(t) not in held[name] for t in _tensors_in(c))]
         if not self.graph:
             if escaped:
                 self._refuse_escaped(escaped)
@@ -183,3 +189,19 @@ def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Te
                 for k, v in value.items():
                     if isinstance(v, torch.Tensor):
                         yield (path, f"{name}[{k!r}]"), v
+
+
+def _containers(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The mutable containers (mappings, lists) among a block's arguments, named as its forward takes them."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"{k!r} argument", v) for k, v in kwargs.items()]
+    return [(n, v) for n, v in named if isinstance(v, (MutableMapping, list))]
+
+
+def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in a container, nested ``depth`` levels deep (Gemma3n: layer type -> (keys, values))."""
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif depth > 1:
+            yield from _tensors_in(v, depth - 1)
