@@ -41,6 +41,9 @@ def check_supported(module: pl.LightningModule, trainer: pl.Trainer) -> None:
             )
         if cfg is not None and fitting:
             refuse_state_across_blocks(type(m).__name__, cfg)
+    if fitting:
+        refuse_peft_options(module)
+        refuse_shared_storage(module)
     sparse = [n for n, m in module.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
     if sparse:
@@ -83,6 +86,76 @@ def refuse_state_across_blocks(name: str, config: object) -> None:
             "(temporal_block.conv1d_state, rg_lru.recurrent_states) and start from it, so a streamed block "
             "recomputed in the backward would start from the state its forward left. Train it with Lightning's "
             "default strategy (or FSDP).")
+
+
+# peft options a streamed block cannot train exactly (peft 0.21): option -> why
+_PEFT_OPTIONS = {
+    "alora_invocation_tokens": "aLoRA hands each layer its token offsets through forward pre-hooks that live only "
+                               "while PeftModel.forward runs, so the backward's recompute would apply the adapter "
+                               "to every token",
+    "velora_config": "VeLoRA replaces its lora_velora_embed buffers in the forward, and a streamed block's recompute "
+                     "starts from the buffers it had",
+    "monteclora_config": "MonteCLoRA draws a new noise sample at every forward from a counter outside torch, so the "
+                         "backward's recompute would differentiate another sample than the forward's",
+    "target_parameters": "LoRA on parameters (ParamWrapper) adds and removes a parametrization around every forward, "
+                         "which the strategy's weight binding cannot take part in",
+}
+
+
+def refuse_peft_options(module: pl.LightningModule) -> None:
+    """peft adapters with an option listed in ``_PEFT_OPTIONS``: refused by adapter and option, with the fix.
+    Found by a sweep of peft 0.21's methods (2026-12-05): aLoRA and MonteCLoRA trained silently wrong, VeLoRA lost
+    its buffers, ``target_parameters`` failed in the first backward."""
+    for m in module.modules():
+        configs = getattr(m, "peft_config", None)
+        if not isinstance(configs, dict):
+            continue
+        for adapter, cfg in configs.items():
+            for option, why in _PEFT_OPTIONS.items():
+                if getattr(cfg, option, None):
+                    raise ValueError(
+                        f"MegaTrainStrategy cannot train {type(m).__name__}'s adapter {adapter!r} exactly: its "
+                        f"{type(cfg).__name__} sets {option}, and {why}. Train it without {option} (plain LoRA "
+                        "trains exactly), or with Lightning's default strategy.")
+        return
+
+
+def refuse_shared_storage(module: pl.LightningModule) -> None:
+    """Distinct parameters whose memory overlaps (peft's LoRA on a tied embedding with ``ensure_weight_tying=True``:
+    ``lm_head.lora_A`` is the transpose of ``embed_tokens.lora_embedding_B``): the host stores hold each parameter
+    in its own place, which would untie them silently. One parameter object used twice (tied weights) is fine, and
+    so are disjoint views of one buffer (the strategy's own stores, on a second fit)."""
+    spans = []
+    for name, p in module.named_parameters():  # each object once
+        if p.is_meta or p.numel() == 0:
+            continue
+        start = p.data_ptr()
+        last = sum((n - 1) * st for n, st in zip(p.shape, p.stride()))  # the farthest element, in elements
+        spans.append((p.device, start, start + (last + 1) * p.element_size(), name))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for (dev, _, end, first), (dev2, start, _, second) in zip(spans, spans[1:]):
+        if dev == dev2 and start < end:
+            raise ValueError(
+                f"MegaTrainStrategy cannot train {first} and {second} exactly: they are two parameters on the same "
+                "memory (one a view of the other: peft's ensure_weight_tying=True on a tied embedding makes "
+                "lm_head's LoRA the transpose of the embedding's), and the strategy keeps each parameter in its own "
+                "place, which would untie them. Tie them as one parameter object, leave the embedding out of "
+                "target_modules (or ensure_weight_tying=False), or train with Lightning's default strategy.")
+
+
+def refuse_grad_hooks(blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    """A gradient hook on a block's parameter (``register_hook``, ``register_post_accumulate_grad_hook``; peft's
+    OSF) would not run: a streamed block's gradients reach the host without autograd on the parameter. Refused at
+    setup (the first forward's check, ``engine/first_call.py``, finds hooks added later)."""
+    for block_name, block in blocks:
+        for name, p in block.named_parameters():
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise ValueError(
+                    f"MegaTrainStrategy cannot train {block_name}.{name} exactly: it has a gradient hook "
+                    "(register_hook or register_post_accumulate_grad_hook, as peft's OSF registers), and a streamed "
+                    "block's gradients reach the host accumulator without autograd on the parameter, so the hook "
+                    "would not run. Read or change the gradients in on_before_optimizer_step, or train with "
+                    "Lightning's default strategy.")
 
 
 def experts_hint(module: pl.LightningModule) -> str | None:

@@ -43,7 +43,8 @@ from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
     check_supported, experts_hint, host_memory_refusal, in_place_expert_bias, leaves_weights_alone,
-    module_hooks_touch_weights, refuse_running_statistics, unseen_in_place_kernels, writers_between_steps,
+    module_hooks_touch_weights, refuse_grad_hooks, refuse_running_statistics, unseen_in_place_kernels,
+    writers_between_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,8 @@ class MegaTrainStrategy(ParallelStrategy):
         named_blocks = find_blocks(module, self.block_class)
         blocks = [m for _, m in named_blocks]
         refuse_running_statistics(named_blocks)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_grad_hooks(named_blocks)
         # Hugging Face's own checkpointing flag, off while the engine recomputes every block; the user's
         # setting is back after fit (teardown)
         self._user_checkpointing = {id(b): (b, b.gradient_checkpointing) for b in blocks

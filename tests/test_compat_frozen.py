@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from compat_zoo import (
-    DIM, CausalLMModule, EngineProbe, MLPBlock, TokenBlocks, assert_exact, build_causal_lm, frozen_names, random_vectors,
+    DIM, CausalLMModule, EngineProbe, MLPBlock, TokenBlocks, assert_exact, build_causal_lm, frozen_names,
+    parity_or_refusal, random_vectors,
 )
 from conftest import assert_is_megatrain, fit, megatrain
 from zoo import VOCAB
@@ -95,6 +96,48 @@ class PeftLM(CausalLMModule):
             "prompt": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         }[self.hparams.method]()
         return get_peft_model(build_causal_lm(self.hparams.arch), config)
+
+
+class PeftOptionLM(CausalLMModule):
+    """A tiny HF causal LM under a peft option a streamed block cannot train exactly (``option``)."""
+
+    def __init__(self, option: str = "alora", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def build(self) -> nn.Module:
+        import peft
+
+        lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        config = {
+            "alora": lambda: peft.LoraConfig(task_type="CAUSAL_LM", alora_invocation_tokens=[5], **lora),
+            "velora": lambda: peft.LoraConfig(velora_config=peft.VeloraConfig(), **lora),
+            "monteclora": lambda: peft.LoraConfig(monteclora_config=peft.MontecloraConfig(num_samples=2), **lora),
+            "target_parameters": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                                                         target_parameters=["mlp.down_proj.weight"]),
+            "tied_embedding": lambda: peft.LoraConfig(**{**lora, "target_modules": ["embed_tokens", "q_proj", "v_proj"]},
+                                                      ensure_weight_tying=True),
+            "osf": lambda: peft.OSFConfig(effective_rank=8, target_modules=["q_proj", "v_proj"]),
+        }[self.hparams.option]()
+        return peft.get_peft_model(build_causal_lm(self.hparams.arch), config)
+
+
+@pytest.mark.parametrize("option, arch, names", [
+    # trained silently wrong before (2026-12-05's sweep of peft 0.21's methods)
+    ("alora", "llama", ["adapter 'default'", "alora_invocation_tokens"]),
+    ("monteclora", "llama", ["adapter 'default'", "monteclora_config"]),
+    ("tied_embedding", "qwen2", ["embed_tokens.lora_embedding_", "lm_head.lora_", "ensure_weight_tying"]),  # A or B
+    # lost its buffers (wrong in its "once" mode), failed in the first backward, refused a step late
+    ("velora", "llama", ["adapter 'default'", "velora_config"]),
+    ("target_parameters", "llama", ["adapter 'default'", "target_parameters"]),
+    ("osf", "llama", ["layers.0.self_attn.q_proj.osf_svd_params.default", "gradient hook"]),
+])
+def test_peft_options_a_streamed_block_cannot_train_are_refused_at_setup(option: str, arch: str, names: list) -> None:
+    peft = pytest.importorskip("peft")
+    if option == "velora" and not hasattr(peft, "VeloraConfig") or option == "monteclora" and not hasattr(
+            peft, "MontecloraConfig") or option == "osf" and not hasattr(peft, "OSFConfig"):
+        pytest.skip(f"peft {peft.__version__} has no {option}")
+    _, _, refused = parity_or_refusal(partial(PeftOptionLM, option=option, arch=arch), names=names, max_steps=3)
+    assert refused is not None, f"{option}: expected a refusal at setup"
 
 
 @pytest.mark.parametrize("method", ["dora", "ia3", "prompt"])

@@ -343,20 +343,79 @@ class PostGradHook(GradHook):
     post = True
 
 
+class LateGradHook(TokenBlocks):
+    """The same hook, registered when training starts (after the strategy's setup)."""
+
+    def on_train_start(self) -> None:
+        for block in self.blocks:
+            block.fc1.weight.register_hook(lambda g: g * 0.5)
+
+
+class DictWriter(MLPBlock):
+    """Writes its hidden layer into a dict it is handed (as Gemma3n's layers share keys through
+    ``shared_kv_states``); the loss reads it from there."""
+
+    def forward(self, x: torch.Tensor, notes: dict) -> torch.Tensor:
+        h = self.fc1(self.norm(x))
+        notes[len(notes)] = h
+        return x + self.fc2(F.gelu(h))
+
+
+class NotesInLoss(TokenBlocks):
+    block_cls = DictWriter
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        self.notes: dict = {}
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, self.notes)
+        return self.norm(h)
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        return super().compute_loss(batch) + 0.1 * sum(h.pow(2).mean() for h in self.notes.values())
+
+
+class BufferReplacing(MLPBlock):
+    """Replaces a buffer in its forward with a new tensor (peft's VeLoRA keeps a batch average so): the recompute
+    would start from the old one, and the binding of a streamed block's buffers would drop the new one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean = x.detach().mean(dim=(0, 1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x - self.mean))))
+
+
+class ReplacedBuffer(TokenBlocks):
+    block_cls = BufferReplacing
+
+
 @pytest.mark.parametrize("factory, pattern, options", [
+    (ReplacedBuffer, r"changes its buffers in place or replaces them \(BufferReplacing\.mean \(BufferReplacing, replaced\)\)", {}),
     (ActivationPenalty, r"keeps tensors with a gradient history beyond its outputs \(blocks\.0\.fc1's output "
                         r"\(a forward hook\)\)", {}),
     (AuxLossAttribute, r"beyond its outputs \(blocks\.0\.aux\)", {}),
     (AuxLossAttribute, r"beyond its outputs \(blocks\.0\.aux\)", {"keep_activations": 3}),
-    (GradHook, r"blocks\.0\.fc1\.weight has a gradient hook", {}),
-    (PostGradHook, r"blocks\.0\.fc1\.weight has a gradient hook", {}),
-], ids=["hooked-activation-in-loss", "aux-loss-attribute", "aux-loss-attribute-kept", "register_hook",
-        "post-accumulate-hook"])
+    (NotesInLoss, r"beyond its outputs \(the dict passed as its argument 1\)", {}),
+    (LateGradHook, r"blocks\.0\.fc1\.weight has a gradient hook", {}),
+], ids=["replaced-buffer", "hooked-activation-in-loss", "aux-loss-attribute", "aux-loss-attribute-kept", "written-into-an-argument",
+        "hook-added-in-training"])
 def test_what_a_streamed_block_would_lose_is_refused_by_name(factory: Any, pattern: str, options: dict) -> None:
-    """Silently wrong before: a loss term on an activation a hook kept or an attribute the block set (no gradient
-    reached the block), a gradient hook on a block parameter (never ran). Now refused in the first forward, naming
-    the tensor or parameter."""
+    """Silently wrong before: a loss term on an activation a hook kept, an attribute the block set or a container
+    it wrote into (no gradient reached the block), a gradient hook on a block parameter (never ran). Now refused in
+    the first forward, naming the tensor or parameter."""
     refused_in_the_first_forward(factory, pattern, **options)
+
+
+@pytest.mark.parametrize("factory", [GradHook, PostGradHook], ids=["register_hook", "post-accumulate-hook"])
+def test_gradient_hooks_on_block_parameters_are_refused_at_setup(factory: Any) -> None:
+    """A gradient hook the module registers when it is built is refused at setup (peft's OSF registers them)."""
+    counter = BatchCounter()
+    with pytest.raises(ValueError, match=r"cannot train blocks\.0\.fc1\.weight exactly: it has a gradient hook"):
+        fit(factory, "megatrain", max_steps=2, callbacks=[counter])
+    assert counter.batches == 0
 
 
 def test_a_hook_that_keeps_detached_activations_trains_exactly() -> None:

@@ -78,10 +78,11 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
             if changed:
                 raise RuntimeError(
                     f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: "
-                    f"its forward changes its buffers in place ({', '.join(changed)}), and a streamed block "
-                    "runs its forward again in the backward's recompute. Make the buffers constant (a norm: "
-                    "track_running_stats=False; spectral_norm's power iteration: weight_norm instead, or the "
-                    "module outside the streamed blocks), or stream another level with block_class=...")
+                    f"its forward changes its buffers in place or replaces them ({', '.join(changed)}), and a "
+                    "streamed block runs its forward again in the backward's recompute (from the buffers it started "
+                    "with; a replaced one is not kept). Make the buffers constant (a norm: track_running_stats=False; "
+                    "spectral_norm's power iteration: weight_norm instead, or the module outside the streamed "
+                    "blocks), or stream another level with block_class=...")
         return out
     finally:
         if release:

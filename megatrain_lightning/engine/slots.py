@@ -71,10 +71,16 @@ class BlockBinding:
         self.buffers_to(device)
 
     def mutated_buffers(self) -> list[str]:
-        """Names of the buffers whose device copy a call changed in place (``bound(check=True)``)."""
+        """Names of the buffers whose device copy a call changed in place, or that it replaced with another
+        tensor (``self.x = new``: peft's VeLoRA and MonteCLoRA; the binding drops the new one), in the last
+        ``bound(check=True)``."""
         paths = {id(m): n for n, m in self.block.named_modules()}
-        return [f"{paths.get(id(mod)) or type(mod).__name__}.{name} ({type(mod).__name__})" for (mod, name, _), b, v in
-                zip(self.buffer_sites, self.device_buffers, self._versions) if b._version != v]
+        changed = []
+        for i, ((mod, name, _), b, v) in enumerate(zip(self.buffer_sites, self.device_buffers, self._versions)):
+            if b._version != v or i in self._replaced:
+                how = ", replaced" if i in self._replaced else ""
+                changed.append(f"{paths.get(id(mod)) or type(mod).__name__}.{name} ({type(mod).__name__}{how})")
+        return changed
 
     @contextmanager
     def bound(self, tensors: Sequence[torch.Tensor], check: bool = False) -> Iterator[None]:
@@ -95,6 +101,9 @@ class BlockBinding:
         try:
             yield
         finally:
+            if check:  # a buffer the call replaced (its new tensor is dropped below)
+                self._replaced = {i for i, ((mod, name, _), b) in enumerate(zip(self.buffer_sites, self.device_buffers))
+                                  if mod._buffers.get(name) is not b}
             for sites, p in zip(self.param_sites, self.params):
                 for mod, name in sites:
                     mod._parameters[name] = p
