@@ -131,8 +131,12 @@ def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
         seen_modules[id(block)] = name
         for pname, p in block.named_parameters():
             if id(p) in owner and owner[id(p)] != name:
+                peft = _peft_layer_of(block, pname)
+                fix = (f" ({peft} is a peft adapter layer: this method shares its weights across layers, as VB-LoRA's "
+                       "vector bank and TinyLoRA's shared vectors do; train it with Lightning's default strategy, or "
+                       "with a peft method whose weights are per layer, such as LoRA)" if peft else "")
                 raise BlockDetectionError(
-                    f"blocks {owner[id(p)]} and {name} share the parameter {pname}: shared weights cannot be "
+                    f"blocks {owner[id(p)]} and {name} share the parameter {pname}{fix}: shared weights cannot be "
                     f"streamed per block. Untie them, or pass block_class to stream a level without sharing"
                     f"{_suggest(root)}."
                 )
@@ -144,6 +148,21 @@ def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
                 f"a streamed block and the rest of the model cannot be streamed. Untie it, or pass "
                 f"block_class{_suggest(root)}."
             )
+
+
+def _peft_layer_of(block: nn.Module, pname: str) -> str | None:
+    """The peft tuner layer (``peft.tuners.*``) on the way to parameter ``pname`` of ``block``, named with its
+    class; None if there is none."""
+    path = pname.split(".")
+    module: nn.Module | None = block
+    for i, part in enumerate(path[:-1]):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+        where = type(module).__module__
+        if where.startswith("peft.tuners."):
+            return f"{'.'.join(path[:i + 1])} ({where.removesuffix('.layer')}.{type(module).__name__})"
+    return None
 
 
 _NOTHING_TO_STREAM = ("; a model without repeated blocks has nothing to stream (its whole state is what a "

@@ -117,6 +117,8 @@ class PeftOptionLM(CausalLMModule):
             "tied_embedding": lambda: peft.LoraConfig(**{**lora, "target_modules": ["embed_tokens", "q_proj", "v_proj"]},
                                                       ensure_weight_tying=True),
             "osf": lambda: peft.OSFConfig(effective_rank=8, target_modules=["q_proj", "v_proj"]),
+            "vblora": lambda: peft.VBLoRAConfig(r=4, target_modules=["q_proj", "v_proj"], num_vectors=16,
+                                                vector_length=8, vblora_dropout=0.0),
         }[self.hparams.option]()
         return peft.get_peft_model(build_causal_lm(self.hparams.arch), config)
 
@@ -130,11 +132,14 @@ class PeftOptionLM(CausalLMModule):
     ("velora", "llama", ["adapter 'default'", "velora_config"]),
     ("target_parameters", "llama", ["adapter 'default'", "target_parameters"]),
     ("osf", "llama", ["layers.0.self_attn.q_proj.osf_svd_params.default", "gradient hook"]),
+    # refused before too (weights shared across blocks), now with the fix a peft user can act on
+    ("vblora", "llama", ["vblora_vector_bank", "peft.tuners.vblora", "Lightning's default strategy"]),
 ])
 def test_peft_options_a_streamed_block_cannot_train_are_refused_at_setup(option: str, arch: str, names: list) -> None:
     peft = pytest.importorskip("peft")
     if option == "velora" and not hasattr(peft, "VeloraConfig") or option == "monteclora" and not hasattr(
-            peft, "MontecloraConfig") or option == "osf" and not hasattr(peft, "OSFConfig"):
+            peft, "MontecloraConfig") or option == "osf" and not hasattr(peft, "OSFConfig") or option == "vblora" \
+            and not hasattr(peft, "VBLoRAConfig"):
         pytest.skip(f"peft {peft.__version__} has no {option}")
     _, _, refused = parity_or_refusal(partial(PeftOptionLM, option=option, arch=arch), names=names, max_steps=3)
     assert refused is not None, f"{option}: expected a refusal at setup"
