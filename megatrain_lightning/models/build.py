@@ -18,7 +18,9 @@ import os
 from typing import Any
 
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (
+    CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel,
+)
 
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.init import attach_weights_source
