@@ -79,7 +79,9 @@ class Recorder(Callback):
         self.grad_norms: list[dict[str, tuple[str, float]]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:  # training_step returned None: Lightning skipped the batch (outputs {})
+            return
         self.losses.append(float(loss))
         self.lrs.append([float(g["lr"]) for g in trainer.optimizers[0].param_groups])
 

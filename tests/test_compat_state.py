@@ -27,7 +27,7 @@ from torch import nn
 
 from compat_zoo import (DIM, BatchCounter, MLPBlock, TokenBlocks, VectorBlocks, assert_exact, compare_losses,
                         max_abs_diff, parity_or_refusal)
-from conftest import fit, megatrain
+from conftest import compare_states, fit, megatrain
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -480,3 +480,44 @@ class WeightNormParametrized(WeightNormed):
 def test_weight_norm_in_blocks_trains_exactly(factory: Any) -> None:
     ref, got, refused = parity_or_refusal(factory, names=["fc1"], max_steps=3)
     assert refused is None
+
+
+class GradlessStore(TokenBlocks):
+    """A step in which a whole store gets no gradient: ``training_step`` returns None for one batch (Lightning
+    skips it), block 1 dropped on odd steps (LayerDrop), or block 1's gradients set to None before the step."""
+
+    def __init__(self, case: str = "return_none", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for j, block in enumerate(self.blocks):
+            if not (self.hparams.case == "layer_drop" and j == 1 and self.global_step % 2 == 1):
+                h = block(h)
+        return self.norm(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if self.hparams.case == "return_none" and batch_idx == 1 else loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.hparams.case == "grad_none" and self.global_step % 2 == 0:
+            for p in self.blocks[1].parameters():
+                p.grad = None
+
+
+@pytest.mark.parametrize("case", ["return_none", "layer_drop", "grad_none"])
+def test_a_step_leaving_a_block_without_gradients_trains_as_adamw_does(case: str) -> None:
+    """AdamW skips a parameter without a gradient (no step count, no decay). A step that left a whole store so
+    (Lightning's documented ``return None``, LayerDrop, gradients cleared in a hook) failed in the host AdamW's
+    step count (2026-12-05's sweep of Trainer features); now as under the default strategy, state included."""
+    factory = partial(GradlessStore, case=case)
+    ref = fit(factory, None, max_steps=6)
+    got = fit(factory, "megatrain", max_steps=6)
+    assert ref.trainer.global_step == got.trainer.global_step
+    compare_losses(ref.losses, got.losses)
+    compare_states(ref.state, got.state)
+    steps = lambda r: sorted(float(s["step"]) for s in r.trainer.optimizers[0].state.values())  # noqa: E731
+    assert steps(ref) == steps(got)
+    if case != "return_none":  # (a skipped batch skips the step for every parameter)
+        assert min(steps(ref)) < max(steps(ref)), "no parameter sat a step out: the test would be vacuous"

@@ -135,7 +135,8 @@ class _Range:
             else:
                 out.append(Piece(start, end, grad, step))
             last = (i, is_own)
-        torch._foreach_add_(steps, 1)
+        if steps:  # none when no parameter of the range has a gradient (training_step returned None, a dropped layer)
+            torch._foreach_add_(steps, 1)
         return out
 
     def device_pieces(self, state: dict[Any, Any], grads: Sequence[torch.Tensor | None], device: torch.device
