@@ -9,6 +9,7 @@ Face Llama and Qwen2 models, Lightning's ``BackboneFinetuning`` / ``BaseFinetuni
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -123,6 +124,13 @@ class PeftOptionLM(CausalLMModule):
         return peft.get_peft_model(build_causal_lm(self.hparams.arch), config)
 
 
+# what each option needs of peft (a config class, and a field of it): peft >= 0.18 is allowed, these came later
+_PEFT_NEEDS = {"alora": ("LoraConfig", "alora_invocation_tokens"), "velora": ("VeloraConfig", None),
+               "monteclora": ("MontecloraConfig", None), "target_parameters": ("LoraConfig", "target_parameters"),
+               "tied_embedding": ("LoraConfig", "ensure_weight_tying"), "osf": ("OSFConfig", None),
+               "vblora": ("VBLoRAConfig", None)}
+
+
 @pytest.mark.parametrize("option, arch, names", [
     # trained silently wrong before (2026-12-05's sweep of peft 0.21's methods)
     ("alora", "llama", ["adapter 'default'", "alora_invocation_tokens"]),
@@ -137,9 +145,8 @@ class PeftOptionLM(CausalLMModule):
 ])
 def test_peft_options_a_streamed_block_cannot_train_are_refused_at_setup(option: str, arch: str, names: list) -> None:
     peft = pytest.importorskip("peft")
-    if option == "velora" and not hasattr(peft, "VeloraConfig") or option == "monteclora" and not hasattr(
-            peft, "MontecloraConfig") or option == "osf" and not hasattr(peft, "OSFConfig") or option == "vblora" \
-            and not hasattr(peft, "VBLoRAConfig"):
+    cls, field = _PEFT_NEEDS[option]
+    if not hasattr(peft, cls) or field and field not in {f.name for f in dataclasses.fields(getattr(peft, cls))}:
         pytest.skip(f"peft {peft.__version__} has no {option}")
     _, _, refused = parity_or_refusal(partial(PeftOptionLM, option=option, arch=arch), names=names, max_steps=3)
     assert refused is not None, f"{option}: expected a refusal at setup"
