@@ -117,7 +117,6 @@ def refuse_peft_options(module: pl.LightningModule) -> None:
                         f"MegaTrainStrategy cannot train {type(m).__name__}'s adapter {adapter!r} exactly: its "
                         f"{type(cfg).__name__} sets {option}, and {why}. Train it without {option} (plain LoRA "
                         "trains exactly), or with Lightning's default strategy.")
-        return
 
 
 def refuse_shared_storage(module: pl.LightningModule) -> None:
