@@ -521,3 +521,34 @@ def test_a_step_leaving_a_block_without_gradients_trains_as_adamw_does(case: str
     assert steps(ref) == steps(got)
     if case != "return_none":  # (a skipped batch skips the step for every parameter)
         assert min(steps(ref)) < max(steps(ref)), "no parameter sat a step out: the test would be vacuous"
+
+
+class ActivationProbeBlock(MLPBlock):
+    """Notes, in every forward run with gradients enabled, whether the graph holds GELU's input for its backward."""
+
+    alive: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = F.gelu(self.fc1(self.norm(x)))
+        if torch.is_grad_enabled():
+            try:
+                ActivationProbeBlock.alive.append(g.grad_fn._saved_self is not None)
+            except RuntimeError:  # a graph that saved nothing
+                ActivationProbeBlock.alive.append(False)
+        return x + self.fc2(g)
+
+
+class ActivationProbe(TokenBlocks):
+    block_cls = ActivationProbeBlock
+
+
+def test_the_first_forward_check_keeps_no_activations() -> None:
+    """The first forward's check builds a graph only to walk it: the activations it saves are dropped as the
+    block goes (they had piled up beside the saved block inputs and fragmented the device allocator: peak
+    reserved grew with depth). The recompute's graph, which the backward runs, keeps them: the probe sees both."""
+    ActivationProbeBlock.alive = []
+    fit(ActivationProbe, "megatrain", max_steps=1)
+    checked, recomputed = ActivationProbeBlock.alive[:3], ActivationProbeBlock.alive[3:]  # forward 0-2, then 2-0
+    assert checked == [False] * 3 and recomputed == [True] * 3
+    ref, got, refused = parity_or_refusal(ActivationProbe, names=[], max_steps=2)
+    assert refused is None

@@ -93,9 +93,10 @@ def test_a_function_that_fails_to_compile_runs_eager_and_trains_the_same(
 
 
 def test_which_blocks_compile_around_experts() -> None:
-    """Asked to compile, blocks with Hugging Face's ``*Experts`` compile around them (GPT-OSS's, Qwen3-MoE's sparse
-    layers; its dense ``mlp_only_layers`` whole), a block routing to experts some other way whole; left open, the
-    same, except that a block routing to experts without an ``*Experts`` module stays eager."""
+    """Asked to compile, blocks with Hugging Face's ``*Experts`` on transformers' eager loop compile around them
+    (GPT-OSS's, Qwen3-MoE's sparse layers; its dense ``mlp_only_layers`` whole), a block routing to experts some
+    other way whole; left open, the same, except that a block routing to experts without an ``*Experts`` module
+    stays eager. Grouped GEMM experts compile inside their blocks' graphs, but for biased ones (GPT-OSS)."""
     from megatrain_lightning.engine.compiled import experts_of, has_experts
 
     gpt_oss, qwen3_moe, llama = ZOO["gpt_oss"](), ZOO["qwen3_moe"](), ZOO["llama"]()
@@ -121,6 +122,13 @@ def test_which_blocks_compile_around_experts() -> None:
     assert CompiledBlocks(True, checked={0}, blocks=list(routed), auto=True).eager == {0, 1}
     whole = CompiledBlocks(True, checked={0}, blocks=list(routed))
     assert whole.eager == set() and whole.around_experts == set() and whole.whole
+    # grouped GEMM experts without biases compile inside their blocks' graphs; GPT-OSS's (biased) around them
+    gathered = list(ZOO["qwen3_moe"](experts_implementation="grouped_mm_gather").model.model.layers)
+    inside = CompiledBlocks(True, checked={0, 1, 2}, blocks=gathered, auto=True)
+    assert inside.eager == set() and inside.around_experts == set() and inside.whole
+    assert not any("forward" in b.mlp.experts.__dict__ for b in (gathered[0], gathered[2]))
+    biased = list(ZOO["gpt_oss"](experts_implementation="grouped_mm_gather").model.model.layers)
+    assert CompiledBlocks(True, checked=set(), blocks=biased, auto=True).around_experts == set(range(len(biased)))
 
 
 MOE = {
@@ -128,6 +136,7 @@ MOE = {
     "qwen3_moe, transformers' grouped_mm": partial(ZOO["qwen3_moe"], experts_implementation="grouped_mm"),
     "mixtral, transformers' eager loop": ZOO["mixtral"],
 }
+INSIDE = {"qwen3_moe, transformers' grouped_mm"}  # compiled inside the blocks' graphs (engine/compiled.inside_graphs)
 
 
 @pytest.mark.slow
@@ -136,7 +145,8 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
         case: str, compiled_calls: list, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     """Compiled around their experts (eager, a graph break each side): streamed, kept whole and kept saving
     matmul outputs (the experts under their own selective checkpoint, recomputed in the backward on the weights
-    the forward read), at parity with Lightning's default strategy; the experts' own forward back after the fit."""
+    the forward read), at parity with Lightning's default strategy; the experts' own forward back after the fit.
+    Grouped GEMM experts without biases (Qwen3-MoE's here) compile inside the block's graph: the same parity."""
     from megatrain_lightning.engine import compiled as compiled_module
 
     checkpointed: list[bool] = []
@@ -173,8 +183,11 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     assert {(False, False), (True, False), (True, True)} <= set(compiled_calls)
     dense_kept = case.startswith("qwen3_moe")  # its dense block (mlp_only_layers) is kept too: checkpoint inside
-    assert False in checkpointed  # the experts' checkpoint ran, eager, in a kept block
-    assert (True in checkpointed) == (True in fullgraph) == dense_kept  # a checkpoint traced into one graph
+    if case in INSIDE:  # grouped GEMM experts without biases: inside the block's graph, checkpoint and all
+        assert False not in checkpointed and True in checkpointed and True in fullgraph
+    else:
+        assert False in checkpointed  # the experts' checkpoint ran, eager, in a kept block
+        assert (True in checkpointed) == (True in fullgraph) == dense_kept  # a checkpoint traced into one graph
     assert not on_host, on_host  # its recompute too read the weights the forward read
 
 

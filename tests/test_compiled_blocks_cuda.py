@@ -14,6 +14,7 @@
 (d) a tiny GPT-OSS (experts on ``grouped_mm_gather``) with ``compile_blocks=True``: compiled around its experts
     (eager), one block kept saving matmul outputs (the experts under their own selective checkpoint), fp32 with TF32
     off: 10 steps at the bar of (a) against Lightning's default strategy.
+(e) a tiny Qwen3-MoE (experts on ``grouped_mm_gather``, no biases): compiled inside its blocks' graphs, the same.
 """
 
 from __future__ import annotations
@@ -146,4 +147,11 @@ def test_cuda_moe_compiled_around_its_experts_fp32_parity(no_tf32: None,  # noqa
                                                           compiled_calls: list[bool]) -> None:
     factory = partial(ZOO["gpt_oss"], experts_implementation="grouped_mm_gather", optimizer="adamw", lr=3e-3)
     _compiled_fp32_parity("(d) GPT-OSS compiled around its experts, keep 1 (matmuls)", factory,
+                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)
+
+
+def test_cuda_moe_compiled_inside_its_blocks_fp32_parity(no_tf32: None,  # noqa: F811 (the fixture)
+                                                        compiled_calls: list[bool]) -> None:
+    factory = partial(ZOO["qwen3_moe"], experts_implementation="grouped_mm_gather", optimizer="adamw", lr=3e-3)
+    _compiled_fp32_parity("(e) Qwen3-MoE compiled with its experts inside, keep 1 (matmuls)", factory,
                           {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)

@@ -126,3 +126,49 @@ def test_grouped_mm_bias_experts_and_kept_matmul_outputs_refused_or_kept_whole()
         fit(factory, megatrain(keep_activations=2, kept_saves="matmuls"), max_steps=1)
     _, got = run_parity(factory, megatrain(keep_activations=2))
     assert got.trainer.strategy.config.kept_saves == "all"
+
+
+class _Outputs(TorchDispatchMode):
+    """(dtype, shape) of every tensor the aten ops dispatched while active return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [(t.dtype, tuple(t.shape)) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_fp32_tokens_into_bf16_experts_repeat_in_bf16(name: str) -> None:
+    """Under autocast the strategy hands bf16 experts an fp32 residual stream: the k-fold rows are made in bf16
+    (the grouped GEMM's own cast, made before the repeat), with transformers' values in the forward and in every
+    gradient, and no fp32 tensor of (token, expert) rows x hidden in the forward or the backward."""
+    torch.manual_seed(2)
+    tokens = 40
+    results, made = {}, {}
+    for experts in ("grouped_mm", GATHER):
+        module = model_of(name, experts).model.layers[0].mlp.experts.to(torch.bfloat16)
+        k, hidden = module.config.num_experts_per_tok, module.config.hidden_size
+        torch.manual_seed(3)
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        index = torch.stack([torch.randperm(module.num_experts)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k).softmax(-1).to(torch.bfloat16).requires_grad_()
+        seen = _Outputs()
+        with seen:
+            out = module(x, index, weights)
+            (out.float() * torch.linspace(-1, 1, hidden)).sum().backward()
+        results[experts] = (out.detach(), x.grad, weights.grad, {n: p.grad for n, p in module.named_parameters()})
+        made[experts] = [shape for dtype, shape in seen.made if dtype == torch.float32 and shape == (tokens * k, hidden)]
+    ref, got = results["grouped_mm"], results[GATHER]
+    assert torch.equal(ref[0], got[0]), "the forward is transformers' value for value"
+    assert rel_diff(ref[1], got[1]) < 1e-6 and torch.equal(ref[2], got[2])
+    for n, g in ref[3].items():
+        if n.endswith("_bias"):  # transformers accumulates the bias rows in bf16 (index_put); ours in an fp32 GEMM
+            assert rel_diff(g, got[3][n]) < 2e-2, n
+        else:
+            assert torch.equal(g, got[3][n]), n
+    assert made["grouped_mm"], "transformers repeats the fp32 rows (the test can fail)"
+    assert not made[GATHER], made[GATHER]

@@ -17,17 +17,19 @@ recording hooks' appends stay out of any graph), and a function whose compilatio
 run goes on eager, exactly as before). Random ops (dropout) draw from torch's generator as eager ones do
 (inductor's ``fallback_random``): the masks are the eager module's, and a recompute replays its forward's.
 
-Experts stay out of the graphs. A block with Hugging Face's experts (``MixtralExperts``, ``GptOssExperts``...:
-the modules that sort tokens to experts and run their grouped matmuls) is compiled around them: their forward
-runs eager through ``torch.compiler.disable`` (a graph break on each side; compiled, GPT-OSS-20B's blocks stopped
-on the H200 with ``_grouped_mm``'s device-side assert, torch 2.11, 2026-12-04), the attention, norms, router and
-residual adds fused. Such a block cannot hold its selective checkpoint inside one graph, so a kept one saving
-matmul outputs runs compiled without it (inductor's partitioner chooses what the fused parts save) and its
-experts under their own selective checkpoint (:func:`~.selective.saving_matmuls`, their weights passed in, so
-the recompute reads the tensors the forward read). Left open (``compile_blocks=None``), blocks with Hugging Face's
-experts compile around them too: on the H200 (2026-12-05, torch 2.11, 7 layers at 14 x 2048) GPT-OSS-20B's step
-1.209 -> 1.058 s (224.9 -> 256.9 model TFLOPS); Qwen3-30B-A3B's (10 layers) 0.509 -> 0.524 s at 8 x 2048 and
-1.169 -> 1.020 s at 16 x 2048. A block routing to experts some other way (a router with ``num_experts`` and no
+Experts: grouped GEMM experts without biases (``experts_implementation`` ``grouped_mm`` or ``grouped_mm_gather``:
+Qwen3-MoE's, Mixtral's...) compile inside their block's graph, their sorting gathers, casts and weighting fused
+with the rest (:func:`inside_graphs`). Other Hugging Face experts (``*Experts`` modules: GPT-OSS's, with biases; any
+on transformers' eager loop) are compiled around: their forward runs eager through ``torch.compiler.disable`` (a
+graph break on each side; compiled, GPT-OSS-20B's blocks stopped on the H200 with ``_grouped_mm``'s device-side
+assert, torch 2.11, 2026-12-04), the attention, norms, router and residual adds fused. Such a block cannot hold
+its selective checkpoint inside one graph, so a kept one saving matmul outputs runs compiled without it
+(inductor's partitioner chooses what the fused parts save) and its experts under their own selective checkpoint
+(:func:`~.selective.saving_matmuls`, their weights passed in, so the recompute reads the tensors the forward
+read). Left open (``compile_blocks=None``), blocks with Hugging Face's experts compile too: on the H200
+(2026-12-05, torch 2.11, 7 layers at 14 x 2048) GPT-OSS-20B's step 1.209 -> 1.058 s around its experts (224.9 ->
+256.9 model TFLOPS); on the H100 (5 layers at 8 x 2048, side by side) Qwen3-30B-A3B's around its experts 169.7,
+whole 190.3 model TFLOPS. A block routing to experts some other way (a router with ``num_experts`` and no
 ``*Experts`` module: its per-expert loop is data-dependent, unmeasured) stays eager unless ``compile_blocks=True``.
 """
 
@@ -66,6 +68,22 @@ def experts_of(block: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in block.modules() if type(m).__name__.endswith("Experts")]
 
 
+# The experts implementations compiled inside their block's graph: sorting, grouped GEMMs and gathers with no
+# data-dependent Python (transformers' eager experts loop over the experts a batch hit: a graph break each).
+WHOLE_IMPLEMENTATIONS = ("grouped_mm", "grouped_mm_gather")
+
+
+def inside_graphs(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` compile inside their block's graph (inductor fuses the routing's gathers, casts and
+    weighting with the rest) rather than run eager between two graphs: grouped GEMM experts without biases.
+    Qwen3-30B-A3B's 5 layers on the H100 (2026-12-05, 8 x 2048, side by side): 169.7 -> 190.3 model TFLOPS. Experts
+    with biases (GPT-OSS) stay outside: compiled whole, GPT-OSS-20B stopped on ``_grouped_mm``'s device-side
+    assert (H200, 7 layers, 14 x 2048, 2026-12-04); one clean 4-layer run since (H100) does not lift that."""
+    config = getattr(experts, "config", None)
+    return (getattr(config, "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS
+            and not getattr(experts, "has_bias", False))
+
+
 def has_experts(block: torch.nn.Module) -> bool:
     """Whether ``block`` routes tokens to experts (a Hugging Face ``*Experts`` module, or a router with
     ``num_experts``)."""
@@ -86,7 +104,8 @@ class CompiledBlocks:
         self.checked = checked
         self.eager = {i for i, b in enumerate(blocks) if auto and has_experts(b) and not experts_of(b)}
         # blocks compiled around their experts, and each experts module's own forward (restored by close())
-        self.around_experts = {i for i, b in enumerate(blocks) if enabled and i not in self.eager and experts_of(b)}
+        self.around_experts = {i for i, b in enumerate(blocks) if enabled and i not in self.eager
+                               and not all(inside_graphs(e) for e in experts_of(b))}
         self._experts: list[tuple[torch.nn.Module, Any]] = []  # (module, the forward it held on the instance)
         for i in sorted(self.around_experts):
             for experts in experts_of(blocks[i]):

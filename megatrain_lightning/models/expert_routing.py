@@ -10,8 +10,10 @@ rows onto 32 experts), and that kernel took 585 ms of a 2.5 s step (23 %, the la
 This module registers the same function with the same forward, value for value, and backward passes that
 are gathers and GEMMs:
 
-- token rows into expert order: `index_select(hidden, perm // k)`; backward, the pair-order gradient
-  `index_select(grad, inv_perm)` summed over each token's k pairs (a reshape-sum, fp32 accumulation);
+- token rows into expert order: `index_select(hidden, perm // k)`, cast to the experts' weight dtype first (the
+  cast the grouped GEMM makes of its input; under autocast the k-fold rows are bf16, not the fp32 residual
+  stream's dtype); backward, the pair-order gradient `index_select(grad, inv_perm)` summed over each token's k
+  pairs (a reshape-sum, fp32 accumulation);
 - a permutation (the routing weights, the rows back to pair order): `index_select` both ways;
 - the per-row expert bias: `index_select(bias, expert_ids)`; backward, `one_hot(expert_ids)^T @ grad`, one
   GEMM of [E, S] x [S, out] (fp32 accumulation).
@@ -32,19 +34,27 @@ NAME = "grouped_mm_gather"
 
 
 class _RowsToExperts(torch.autograd.Function):
-    """out[i] = x[perm[i] // k]: each token's row k times, in expert order."""
+    """out[i] = x[perm[i] // k].to(dtype): each token's row k times, in expert order, in the experts' weight dtype.
+
+    The cast is the one the grouped GEMM makes of its input (transformers' ``_grouped_mm``: ``input.to(weight.dtype)``),
+    made on the tokens before they are repeated: the same values, but under autocast (an fp32 residual stream, bf16
+    weights) the k-fold rows are written and read in bf16, not fp32. The backward sums each token's k rows of the
+    gradient in fp32 (``sum(dtype=float32)``), as the sum of their fp32 casts did, then casts to ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, k: int,
+                dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x.index_select(0, perm // k)
+        ctx.k, ctx.x_dtype = k, x.dtype
+        return x.to(dtype).index_select(0, perm // k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         pairs = grad.index_select(0, inverse)  # pair order: token t's k rows are rows t*k .. t*k+k-1
-        return pairs.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        acc = torch.promote_types(grad.dtype, torch.float32) if ctx.x_dtype != grad.dtype else grad.dtype
+        summed = pairs.view(-1, ctx.k, grad.shape[-1]).sum(dim=1, dtype=acc)
+        return summed.to(ctx.x_dtype), None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -94,7 +104,8 @@ def grouped_mm_gather_experts_forward(
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
 
-    rows = _RowsToExperts.apply(hidden_states, perm, inverse, k)
+    first = self.gate_up_proj if self.has_gate else self.up_proj  # the first grouped GEMM casts its input to this
+    rows = _RowsToExperts.apply(hidden_states, perm, inverse, k, first.dtype)
     weights = _Permute.apply(top_k_weights.reshape(-1), perm, inverse)
     # tokens per expert, as transformers counts them (histc: no host sync; CPU histc takes floats only)
     counts_of = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int()
