@@ -15,16 +15,20 @@ Home on demand: in a step whose updates may run on into the next one (``hold``: 
 state between the steps), the device holds the newer masters and moments of what it updates (``behind``:
 the host's are a step or more older) and sends them home only when something reads the host state: the
 engine's ``settle()`` (checkpoints, evaluation, hooks between steps, the end of fit), a host update of the
-same store (``home``), an aborted step. Only a streamed block's masters go home every step (its backward
-re-reads them from the host), 4 B/param. In other steps each update's masters and moments go home as soon
-as it has run, beside the rest of the backward. Until 2026-12-04 they always did: 12 B/param on the
+same store (``home``), an aborted step. A streamed block (the first, not cached) whose slot is refilled before
+its next backward is cast from those device masters (``ahead``): until 2026-12-05 its masters went home every
+step and came back for that (Qwen3-30B-A3B, 5 layers on the H100: 2.49 GB each way, the GPU waiting 36 + 48 ms
+of a 0.363 s step). In other steps each update's masters and moments go home as soon as it has run, beside the
+rest of the backward. Until 2026-12-04 they always did: 12 B/param on the
 device->host link, for GPT-OSS-20B cut to 7 layers 47 GB per step, the step's bottleneck.
 
 Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for a block, its
 fp32 masters (4 B/param) last; they hold what the host holds, or newer (``behind``), once refreshed, and
 are refreshed from the host whenever the masters may have changed behind the engine's back (``stale``
 after a load, a reclaim, an aborted step: each comes after ``home``). They are rewritten (the next update,
-a refresh) only after the previous copy home has read them (``landed``). The update's future completes
+a refresh) only after the previous copy home has read them (``landed``); a slot refilled from a block's
+masters (``ahead``, host->device stream) reads them once their update's future has completed, and the block's
+next update comes after the backward that waited for that slot. The update's future completes
 once its kernels have run (the gradients are read) and what it sends home has landed;
 it cannot be cancelled (an aborted step counts it as run). A block's fp32 gradients (4 B/param, when it
 computes in bf16) live from its backward to the update's last kernel.
@@ -146,9 +150,8 @@ class DeviceUpdate:
     def _update(self, store: Any, master: torch.Tensor, holder: Any, grads: list[torch.Tensor | None], then: Any,
                 priority: int, own_master: bool = False) -> Future:
         """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream); then, unless
-        the step holds them (``hold``), the copy of both home (device->host stream), and a streamed block's
-        masters in any case; the future completes once what goes home has landed (else once the update's
-        kernels have run). ``own_master``: the device masters are the holder's own (a block's), refreshed from
+        the step holds them (``hold``), the copy of both home (device->host stream); the future completes once
+        what goes home has landed (else once the update's kernels have run). ``own_master``: the device masters are the holder's own (a block's), refreshed from
         the host with the moments (a resident part's are its device copy, refreshed by ``ResidentParts.ensure``)."""
         n = store.train_numel
         compute, d2h = self.streams.compute(), self.streams.d2h
@@ -163,30 +166,34 @@ class DeviceUpdate:
             holder.moments[0].copy_(ea, non_blocking=True)
             holder.moments[1].copy_(eas, non_blocking=True)
         then.on_device(store, master, holder.moments[0], holder.moments[1], grads)  # compute stream
-        streamed = own_master and holder.block not in self.engine.weights.slots.fixed
         if self.hold:
+            # Held here: a streamed block's slot, refilled before its next backward, is cast from these
+            # device masters (``ahead``, read by ``WeightStream``), not from the host's older ones.
             self.behind[id(store)] = (store, master, holder)
+            landed = self.streams.record_on(compute)  # the update's kernels have read the gradients
         else:
             self.behind.pop(id(store), None)  # held by an earlier step: the copy below sends the newest home
-        if streamed or not self.hold:
-            # Masters home now: a streamed block's recompute and backward in the next step load its weights
-            # from the host masters (whose update future they wait for); moments too unless the step holds them.
             landed = holder.landed = self.streams.event()
             self.streams.after_compute(d2h)  # the update has written them (asked outside ``on(d2h)``)
             with self.streams.on(d2h):
                 store.master[:n].copy_(master, non_blocking=True)
-                if not self.hold:
-                    ea.copy_(holder.moments[0], non_blocking=True)
-                    eas.copy_(holder.moments[1], non_blocking=True)
+                ea.copy_(holder.moments[0], non_blocking=True)
+                eas.copy_(holder.moments[1], non_blocking=True)
                 landed.record(d2h)
-        else:
-            landed = self.streams.record_on(compute)  # the update's kernels have read the gradients
         holder.moments_fresh = True
         holder.updated_on_device = True
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # queued on the device: running, whatever an abort cancels
         self.worker.submit(priority, _complete, landed, fut, store, ready=landed.query)
         return fut
+
+    def ahead(self, block: int) -> torch.Tensor | None:
+        """``block``'s fp32 masters on the device (its trainable region) where they are newer than the host's
+        (held: ``behind``), else None. A slot refilled with the block then casts them (``WeightStream``)."""
+        held = self.blocks.get(block)
+        if held is None or id(self.engine.stores[block]) not in self.behind:
+            return None
+        return held.master
 
     def home(self, keep: set[int] | None = None, only: Any = None) -> None:
         """Host sync point: the masters and moments the device holds ahead of the host (``behind``) go home:
@@ -258,7 +265,8 @@ def device_blocks(engine: Any) -> list[int]:
     """The blocks ``EngineConfig.update_on_device`` updates on the device, in forward order: the next
     forward's first block (the slot the backward read last keeps its new weights), then up to N - 1 cached
     blocks (their fixed slots keep them). No other streamed block: its slot is refilled before the next
-    forward needs it, which would then wait for the copy home and a copy back."""
+    forward needs it (from its device masters, 12 B/param of device memory that a cached block puts to more
+    use)."""
     n = int(engine.config.update_on_device or 0)
     if n == 0:
         return []

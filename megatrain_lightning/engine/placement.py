@@ -25,7 +25,8 @@ def lay_out(engine: Any, config: EngineConfig) -> None:
     slots = DeviceSlots(config.slots, max(s.numel for s in stores), engine.compute_dtype, engine.device,
                         fixed=[(b, stores[b].numel) for b in cached], master_dtype=stores[0].dtype,
                         wide_numel=max(s.layout.wide_numel for s in stores))
-    engine.weights = WeightStream(stores, slots, engine.streams, engine.stats, engine.keep, engine.updates.wait_for)
+    engine.weights = WeightStream(stores, slots, engine.streams, engine.stats, engine.keep, engine.updates.wait_for,
+                                  ahead=lambda block: engine.device_update.ahead(block))
     engine.offload = InputOffload(engine.streams, engine.pins, config.offloaded_blocks(n_blocks),
                                   engine.compute_dtype if config.saved_inputs_dtype == "compute" else None)
 

@@ -27,8 +27,10 @@ class WeightStream:
     """Acquires and releases block weights in device slots, prefetching the ones about to run."""
 
     def __init__(self, stores: Sequence[FlatStore], slots: DeviceSlots, streams: Streams, stats: EngineStats,
-                 keep: set[int], update_done: UpdateGate) -> None:
+                 keep: set[int], update_done: UpdateGate,
+                 ahead: Callable[[int], torch.Tensor | None] = lambda block: None) -> None:
         self.stores = list(stores)
+        self.ahead = ahead  # a block's device masters where newer than the host's (device_update.ahead)
         self.slots = slots
         self.streams = streams
         self.stats = stats
@@ -125,9 +127,14 @@ class WeightStream:
         with self.streams.on(h2d):
             self.streams.wait(h2d, self._free[s])  # slot lifetime: no queued kernel still reads it
             slot, wide = self.slots.buffers[s], self.slots.wide[s]
+            newer = self.ahead(block)  # its update on the device ran (update_done), its masters stayed there
             for src, a, b in store.regions():  # trainable masters, then frozen weights in their own dtype
                 stage = self.slots.staging_for(src.dtype)
-                if stage is None:
+                if newer is not None and src is store.master:
+                    # cast from the device masters, as refresh() casts them: nothing crosses the link
+                    slot[a:b].copy_(newer)
+                    stage = newer
+                elif stage is None:
                     slot[a:b].copy_(src, non_blocking=True)
                 else:
                     stage[a:b].copy_(src, non_blocking=True)

@@ -139,10 +139,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
     # What the device updates stays there until the host state is read (engine/device_update.py, "home on
-    # demand"), but for a streamed first block's masters (4 B/param), which its next backward reloads: they go
-    # home in the next forward, beside the weights coming in. Updated blocks send no gradient either.
-    first_home = 4 * min(first_on_device, first) if cached < layers else 0  # cached: the last blocks
-    d2h_fwd = (inputs_b + first_home) / (link * BIDIRECTIONAL_FACTOR)
+    # demand"); a streamed first block's slot is refilled from its device masters. Updated blocks send no
+    # gradient either.
+    d2h_fwd = inputs_b / (link * BIDIRECTIONAL_FACTOR)
     d2h_bwd = (grad_b * (shape.block_params - first_on_device)
                + 4 * (shape.resident_params - on_device)) / (link * BIDIRECTIONAL_FACTOR)
     compact_speed = COMPACT_ADAM_SPEED if run.compact_native else COMPACT_ADAM_SPEED_CHUNKED
