@@ -179,12 +179,15 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
         got = fit(factory, megatrain(compile_blocks=True, keep_activations=2, kept_saves=kept_saves), max_steps=3)
         assert_parity(ref, got, LOSS_RTOL, 1e-4, None)
         assert not any("forward" in m.__dict__ for m in got.module.modules() if type(m).__name__.endswith("Experts"))
-    assert "torch.compile failed" not in caplog.text
+    # transformers 5.17's CPU grouped_mm (a loop over the experts) has a backward AOT autograd cannot trace
+    # (.tolist(); 5.2x made it an op): a kept block compiled whole with its checkpoint then runs eager, one warning
+    untraceable = case in INSIDE and not hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
+    assert ("torch.compile failed" not in caplog.text) or untraceable, caplog.text
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     assert {(False, False), (True, False), (True, True)} <= set(compiled_calls)
     dense_kept = case.startswith("qwen3_moe")  # its dense block (mlp_only_layers) is kept too: checkpoint inside
     if case in INSIDE:  # grouped GEMM experts without biases: inside the block's graph, checkpoint and all
-        assert False not in checkpointed and True in checkpointed and True in fullgraph
+        assert False not in checkpointed and True in fullgraph and (True in checkpointed or untraceable)
     else:
         assert False in checkpointed  # the experts' checkpoint ran, eager, in a kept block
         assert (True in checkpointed) == (True in fullgraph) == dense_kept  # a checkpoint traced into one graph
