@@ -137,7 +137,8 @@ class _Outputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += [(t.dtype, tuple(t.shape)) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        leaves = torch.utils._pytree.tree_leaves(out)
+        self.made += [(t.dtype, tuple(t.shape)) for t in leaves if isinstance(t, torch.Tensor)]
         return out
 
 
@@ -161,7 +162,7 @@ def test_fp32_tokens_into_bf16_experts_repeat_in_bf16(name: str) -> None:
             out = module(x, index, weights)
             (out.float() * torch.linspace(-1, 1, hidden)).sum().backward()
         results[experts] = (out.detach(), x.grad, weights.grad, {n: p.grad for n, p in module.named_parameters()})
-        made[experts] = [shape for dtype, shape in seen.made if dtype == torch.float32 and shape == (tokens * k, hidden)]
+        made[experts] = [s for dtype, s in seen.made if dtype == torch.float32 and s == (tokens * k, hidden)]
     ref, got = results["grouped_mm"], results[GATHER]
     assert torch.equal(ref[0], got[0]), "the forward is transformers' value for value"
     assert rel_diff(ref[1], got[1]) < 1e-6 and torch.equal(ref[2], got[2])

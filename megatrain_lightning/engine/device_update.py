@@ -19,8 +19,8 @@ same store (``home``), an aborted step. A streamed block (the first, not cached)
 its next backward is cast from those device masters (``ahead``): until 2026-12-05 its masters went home every
 step and came back for that (Qwen3-30B-A3B, 5 layers on the H100: 2.49 GB each way, the GPU waiting 36 + 48 ms
 of a 0.363 s step). In other steps each update's masters and moments go home as soon as it has run, beside the
-rest of the backward. Until 2026-12-04 they always did: 12 B/param on the
-device->host link, for GPT-OSS-20B cut to 7 layers 47 GB per step, the step's bottleneck.
+rest of the backward. Until 2026-12-04 they always did: 12 B/param on the device->host link, for GPT-OSS-20B
+cut to 7 layers 47 GB per step, the step's bottleneck.
 
 Buffer lifetimes: the device moments (2 x the trainable region in fp32: 8 B/param) and, for a block, its
 fp32 masters (4 B/param) last; they hold what the host holds, or newer (``behind``), once refreshed, and
@@ -151,8 +151,9 @@ class DeviceUpdate:
                 priority: int, own_master: bool = False) -> Future:
         """The update of ``store``'s device ``master`` and ``holder.moments`` (compute stream); then, unless
         the step holds them (``hold``), the copy of both home (device->host stream); the future completes once
-        what goes home has landed (else once the update's kernels have run). ``own_master``: the device masters are the holder's own (a block's), refreshed from
-        the host with the moments (a resident part's are its device copy, refreshed by ``ResidentParts.ensure``)."""
+        what goes home has landed (else once the update's kernels have run). ``own_master``: the device masters
+        are the holder's own (a block's), refreshed from the host with the moments (a resident part's are its
+        device copy, refreshed by ``ResidentParts.ensure``)."""
         n = store.train_numel
         compute, d2h = self.streams.compute(), self.streams.d2h
         ea, eas = store.moment_buffers()  # pinned (``_can``)

@@ -16,9 +16,10 @@ runs with a graph as its recompute will, and refuses by name, in one paragraph w
 * changes its input tensors or its buffers in place: the recompute starts from the saved inputs and buffers.
 
 Cost: the call builds the graph the recompute builds, once per block, without its saved tensors (the graph is
-only walked: its activations are freed as they would be without it). Under ``torch.inference_mode`` (validate, test, predict) nothing is checked: there is no graph
-and no backward. While transformers records outputs (router logits: ``side_outputs.py``) the graph is not
-built: the recorded tensors become the Function's outputs as they are.
+only walked: its activations are freed as they would be without it). Under ``torch.inference_mode`` (validate,
+test, predict) nothing is checked: there is no graph and no backward. While transformers records outputs
+(router logits: ``side_outputs.py``) the graph is not built: the recorded tensors become the Function's outputs
+as they are.
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ def _dropped(tensor: torch.Tensor) -> None:
 
 
 def _never_unpacked(_: None) -> torch.Tensor:
-    raise RuntimeError("internal error: a block differentiated its first call's checked graph inside its forward")
+    raise RuntimeError(
+        "MegaTrainStrategy cannot train a block that differentiates inside its own forward (torch.autograd.grad or "
+        ".backward() there): a streamed block's forward runs without a graph. Stream another level with "
+        "block_class=... so that the differentiation happens outside the streamed blocks")
 
 
 def _note_outputs(path: str, into: list[tuple[str, weakref.ref]]) -> Callable[..., None]:
