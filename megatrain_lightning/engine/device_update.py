@@ -17,8 +17,8 @@ the host's are a step or more older) and sends them home only when something rea
 engine's ``settle()`` (checkpoints, evaluation, hooks between steps, the end of fit), a host update of the
 same store (``home``), an aborted step. A streamed block (the first, not cached) whose slot is refilled before
 its next backward is cast from those device masters (``ahead``): until 2026-12-05 its masters went home every
-step and came back for that (Qwen3-30B-A3B, 5 layers on the H100: 2.49 GB each way, the GPU waiting 36 + 48 ms
-of a 0.363 s step). In other steps each update's masters and moments go home as soon as it has run, beside the
+step and came back for that (a Qwen3-30B-A3B layer: 2.49 GB each way on the link per step; speed not yet
+measured). In other steps each update's masters and moments go home as soon as it has run, beside the
 rest of the backward. Until 2026-12-04 they always did: 12 B/param on the device->host link, for GPT-OSS-20B
 cut to 7 layers 47 GB per step, the step's bottleneck.
 

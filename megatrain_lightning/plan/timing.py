@@ -136,7 +136,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     first_on_device = first * blocks_on_device
     h2d_fwd_first = (weight_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
-    h2d_bwd = (weight_b * shape.block_params * streamed + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
+    # a streamed first block updated on the device: its recompute's weights come from its device masters
+    first_reload = first if blocks_on_device and cached < layers else 0
+    h2d_bwd = (weight_b * (shape.block_params * streamed - first_reload) + inputs_b) / (link * BIDIRECTIONAL_FACTOR)
     grad_b = 2 if run.half_grads else 4  # a block's gradients on the link and into host memory
     # What the device updates stays there until the host state is read (engine/device_update.py, "home on
     # demand"); a streamed first block's slot is refilled from its device masters. Updated blocks send no
