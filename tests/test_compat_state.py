@@ -552,3 +552,41 @@ def test_the_first_forward_check_keeps_no_activations() -> None:
     assert checked == [False] * 3 and recomputed == [True] * 3
     ref, got, refused = parity_or_refusal(ActivationProbe, names=[], max_steps=2)
     assert refused is None
+
+
+class InnerGradBlock(MLPBlock):
+    """Differentiates inside its forward: the gradient of an energy of its hidden layer, as force fields and
+    gradient features do (``torch.autograd.grad`` with ``create_graph``, or ``torch.func.grad``), with dropout before
+    it (the first call's check runs it again from the same random state)."""
+
+    use_func = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.fc1(self.norm(x)), p=0.1, training=self.training)
+        energy = lambda z: F.gelu(z).pow(2).sum()  # noqa: E731
+        if self.use_func:
+            force = torch.func.grad(energy)(h)
+        else:
+            with torch.enable_grad():
+                z = h if h.requires_grad else h.detach().requires_grad_()
+                (force,) = torch.autograd.grad(energy(z), z, create_graph=torch.is_grad_enabled())
+        return x + self.fc2(force)
+
+
+class InnerGrad(TokenBlocks):
+    block_cls = InnerGradBlock
+
+
+def test_a_block_differentiating_inside_its_forward_trains_exactly() -> None:
+    """The first forward's check drops its graph's saved tensors; a block whose forward reads them (its own
+    torch.autograd.grad) is called again keeping them, from the same random state (dropout): parity."""
+    ref, got, refused = parity_or_refusal(InnerGrad, names=[], max_steps=3)
+    assert refused is None
+
+
+def test_a_block_calling_torch_func_is_refused_by_name(monkeypatch: Any) -> None:
+    """torch.func refuses to run under saved-tensor hooks, which every streamed block's call runs under: it
+    failed in the first training batch with torch's own message; now refused there by name, with the fix."""
+    monkeypatch.setattr(InnerGradBlock, "use_func", True)
+    refused_in_the_first_forward(InnerGrad, r"block 0 \(InnerGradBlock\) exactly: its forward calls a torch\.func "
+                                 r"transform.*torch\.autograd\.grad inside the forward")

@@ -76,12 +76,26 @@ class FirstCall:
         # activations at a time interleaved with the saved block inputs fragmented the allocator: peak
         # reserved grew with depth, 48 - 12 Llama blocks 1.547 GiB against the 1.125 of the inputs, H100).
         discard = torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked) if self.graph else nullcontext()
+        rng = _rng_states(self.engine.streams.device) if self.graph else None
         try:
-            with torch.enable_grad(), discard:
-                out = call(self.args, self.kwargs)
+            try:
+                with torch.enable_grad(), discard:
+                    out = call(self.args, self.kwargs)
+            except RuntimeError as err:
+                if not (self.graph and _differentiates_inside(err)):
+                    raise
+                # The block differentiates inside its own forward (torch.autograd.grad, torch.func), which
+                # reads the saved tensors: the call again from its random state, keeping them (this block's
+                # forward hooks and Python-side effects run twice in this first step).
+                _restore_rng(rng)
+                hooked.clear()
+                with torch.enable_grad():
+                    out = call(self.args, self.kwargs)
         except RuntimeError as err:  # a kept block's inputs and weights are leaves that require grad
             if "leaf Variable that requires grad is being used in an in-place operation" in str(err):
                 self._refuse_in_place()
+            if "support saved tensor hooks" in str(err):
+                self._refuse_func()
             raise
         finally:
             for h in handles:
@@ -145,6 +159,13 @@ class FirstCall:
             "block runs its forward again from its saved inputs in the backward's recompute. Compute out of place "
             f"(x = x * a, not x.mul_(a); x = x + y, not x += y), {_FIX}")
 
+    def _refuse_func(self) -> None:
+        raise RuntimeError(
+            f"{self._what()}: its forward calls a torch.func transform (grad, vjp, jacrev, hessian), which refuses "
+            "to run under saved-tensor hooks, and a streamed block's call runs under the engine's (they keep an "
+            "activation checkpoint around the block from recording it). torch.autograd.grad inside the forward "
+            f"(under torch.enable_grad(), with create_graph=torch.is_grad_enabled()) trains exactly, {_FIX}")
+
     def _refuse_escaped(self, where: list[str]) -> None:
         raise RuntimeError(
             f"{self._what()}: its forward keeps tensors with a gradient history beyond its outputs "
@@ -163,16 +184,36 @@ class FirstCall:
         return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
 
 
+_INSIDE = "a block differentiated inside its own forward"
+
+
 def _dropped(tensor: torch.Tensor) -> None:
-    """Saved-tensor pack hook of the checked call's graph: saves nothing (the graph is never differentiated)."""
+    """Saved-tensor pack hook of the checked call's graph: saves nothing (the outer graph is never differentiated;
+    a block that differentiates inside its forward is called again without it)."""
     return None
 
 
 def _never_unpacked(_: None) -> torch.Tensor:
-    raise RuntimeError(
-        "MegaTrainStrategy cannot train a block that differentiates inside its own forward (torch.autograd.grad or "
-        ".backward() there): a streamed block's forward runs without a graph. Stream another level with "
-        "block_class=... so that the differentiation happens outside the streamed blocks")
+    raise RuntimeError(f"{_INSIDE} (a saved tensor of the first call's checked graph was read)")
+
+
+def _differentiates_inside(err: RuntimeError) -> bool:
+    """Whether ``err`` says the block's forward needed the saved tensors the check drops: our unpack hook, or
+    torch.func refusing to run under saved-tensor hooks."""
+    return _INSIDE in str(err) or "support saved tensor hooks" in str(err)
+
+
+def _rng_states(device: torch.device) -> tuple[torch.device, torch.Tensor, torch.Tensor | None]:
+    """The host generator's state and, on CUDA, the device's (host-side seed and offset: no device sync)."""
+    return device, torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _restore_rng(states: tuple[torch.device, torch.Tensor, torch.Tensor | None] | None) -> None:
+    if states is not None:
+        device, host, cuda = states
+        torch.set_rng_state(host)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 def _note_outputs(path: str, into: list[tuple[str, weakref.ref]]) -> Callable[..., None]:
