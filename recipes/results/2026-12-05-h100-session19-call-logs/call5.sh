@@ -1,7 +1,7 @@
 #!/bin/bash
 # session 19, call 5 (prepared, unrun: the session's device time was spent), image's transformers, for the next
 # session. (1) The GPU tests of this session's GPU-path changes: a streamed first block's masters kept on the device
-# (update_on_device; parity (h), automatic placement), grouped GEMM experts compiled inside their blocks ((e)).
+# (update_on_device; parity, automatic placement), grouped GEMM experts compiled inside their blocks ((e) fp32, (f) bf16).
 # (2) Side by side, nothing set: Qwen3-30B-A3B as it is now against the masters' round trip of before
 # (masters_home/sitecustomize.py); on an H200 also GPT-OSS-20B with its experts compiled whole (the interim policy,
 # around/ inverted: whole/sitecustomize.py) against around (the default). H200: the issue's shapes (Qwen3 10 layers
@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/recipes
 Q=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=10" || echo "model.config.num_hidden_layers=5")
 rm -rf outputs/bench
 T0=$SECONDS
-timeout 200 python3 -m pytest -q -s -p no:cacheprovider "tests/test_compiled_blocks_cuda.py::test_cuda_moe_compiled_inside_its_blocks_fp32_parity" \
+timeout 200 python3 -m pytest -q -s -p no:cacheprovider "tests/test_compiled_blocks_cuda.py::test_cuda_moe_compiled_inside_its_blocks_fp32_parity" "tests/test_compiled_blocks_cuda.py::test_cuda_moe_compiled_inside_bf16_trains_like_eager" \
   tests/test_auto_placement_cuda.py tests/test_parity_cuda.py -k "inside or auto or three_slots or home_on_demand or keep_cache or no_hidden_sync or depth" > $OUT/gpu_tests.log 2>&1; echo "GPU tests rc=$? $((SECONDS-T0)) s"
 grep -E "passed|failed|^FAILED|worst|Error" $OUT/gpu_tests.log | cut -c1-300 | tail -16
 RUN="trainer=sweep trainer.log_every_n_steps=1 +trainer.callbacks.throughput.window=1 data=synthetic data.seq_len=2048 hardware=auto trainer.max_steps=7"
