@@ -9,8 +9,9 @@ autocast, bf16 matmul weights and fp32 1-d weights and fp32 residual input (as t
 (torch's selective checkpointing saving matmul and attention outputs, ``engine/selective.py``: "matmuls").
 Then the head + loss over the same tokens: Hugging Face's ``ForCausalLMLoss`` on full logits, the package's
 chunked loss (``CausalLM``: 4096-token chunks, each one's gradients taken in its forward, ``models/head_loss.py``),
-the same chunks each checkpointed and recomputed in the backward (what it replaced, 2026-12-05), Liger's fused
-linear cross-entropy. ``--shapes gpt-oss``: GPT-OSS-20B's head (hidden 2880, 201 K vocabulary, 14 x 2048), the
+the same chunks with autograd's cross-entropy (``chunked-autograd``: until 2026-12-05; ``chunked`` compiles
+the cross-entropy and its gradient as one function), the same chunks each checkpointed and recomputed in the
+backward (what it replaced, 2026-12-05), Liger's fused linear cross-entropy. ``--shapes gpt-oss``: GPT-OSS-20B's head (hidden 2880, 201 K vocabulary, 14 x 2048), the
 loss only.
 Prints one table: ms per call, the saved activations / peak memory, and the relative error against eager.
 """
@@ -111,10 +112,16 @@ def head_loss(kind: str, hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     n = (shifted != -100).sum()
     head = torch.nn.Linear(hidden.shape[-1], weight.shape[0], bias=False, device="meta")
     head.weight = weight  # the Parameter itself: its gradient lands in weight.grad
-    if kind == "chunked":  # the package's CausalLM: 4096-token chunks, gradients in the forward
-        from megatrain_lightning.models.head_loss import chunked_head_loss
+    if kind in ("chunked", "chunked-autograd"):  # the package's CausalLM: 4096-token chunks, gradients in the forward
+        from megatrain_lightning.models import head_loss
 
-        return chunked_head_loss(head, hidden, shifted, 4096) / n
+        if kind == "chunked":  # the cross-entropy and its gradient compiled as one function (the default)
+            return head_loss.chunked_head_loss(head, hidden, shifted, 4096) / n
+        fused, head_loss._fused = head_loss._fused, lambda logits: None  # autograd's path (until 2026-12-05)
+        try:
+            return head_loss.chunked_head_loss(head, hidden, shifted, 4096) / n
+        finally:
+            head_loss._fused = fused
     from torch.utils.checkpoint import checkpoint  # "checkpointed": each chunk recomputed in the backward
 
     def chunk_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -196,7 +203,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             del ref
         ref = None
-        for kind in ("hf", "chunked", "checkpointed", "liger"):
+        for kind in ("hf", "chunked", "chunked-autograd", "checkpointed", "liger"):
             try:
                 ms, peak, loss, grads = time_loss(shape, kind, a.repeats)
             except Exception as err:  # noqa: BLE001

@@ -185,3 +185,62 @@ def test_causal_lm_with_its_chunked_loss_trains_under_the_strategy_as_under_the_
 
     # Qwen2's key bias gets a gradient of rounding noise alone (a softmax does not see it): as tests/test_parity.py
     run_parity(Module, megatrain(keep_activations=1), max_steps=4, loose={"self_attn.k_proj.bias": 2e-4})
+
+
+def test_the_fused_cross_entropy_is_autograds_value_and_gradient() -> None:
+    """``cross_entropy_and_grad`` (compiled on a CUDA device under mixed precision) against autograd through
+    ``F.cross_entropy``: bf16 logits bit for bit eager, within an fp32 ulp of each softmax value compiled; ignored
+    rows get no gradient."""
+    from megatrain_lightning.models.head_loss import cross_entropy_and_grad
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(N, V, generator=g) * 3).bfloat16().requires_grad_()
+    targets = case()[2]
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    (want,) = torch.autograd.grad(loss, logits)
+    got_loss, got = cross_entropy_and_grad(logits.detach(), targets)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert not got[targets == IGNORE_INDEX].any()
+    compiled = torch.compile(cross_entropy_and_grad)(logits.detach(), targets)
+    torch.testing.assert_close(compiled[0], loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(compiled[1], want, rtol=1e-2, atol=1e-6)  # an fp32 exp ulp, rounded to bf16
+    assert (compiled[1] != want).float().mean() < 0.01
+
+
+def test_the_chunks_through_the_fused_cross_entropy_train_as_through_autograds(monkeypatch: Any) -> None:
+    """The chunks with the fused cross-entropy (forced here on the CPU under bf16 autocast, where it is off) give
+    the eager path's loss and gradients: the head's backward takes the logits' gradient the fused function made."""
+    import megatrain_lightning.models.head_loss as head_loss
+
+    head, hidden, targets = case()
+    ours = partial(chunked_head_loss, chunk=CHUNK)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = grads(ours, head, hidden, targets)
+        used: list[torch.dtype] = []
+        monkeypatch.setattr(head_loss, "_fused", lambda logits: used.append(logits.dtype) or
+                            head_loss.cross_entropy_and_grad)
+        fused = grads(ours, head, hidden, targets)
+    assert used == [torch.bfloat16] * 6  # one call per chunk of 7 of the 40 rows
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
+    assert torch.equal(fused[1], eager[1])
+    for name in ("weight", "bias"):
+        assert torch.equal(fused[2][name], eager[2][name]), name
+
+
+def test_a_failing_compile_of_the_loss_falls_back_to_its_eager_path(monkeypatch: Any, caplog: Any) -> None:
+    import megatrain_lightning.models.head_loss as head_loss
+
+    def fails(logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        raise RuntimeError("inductor: no compiler\nmore")
+
+    head, hidden, targets = case()
+    eager = grads(partial(chunked_head_loss, chunk=CHUNK), head, hidden, targets)
+    monkeypatch.setattr(head_loss, "_fused_cross_entropy", fails)
+    monkeypatch.setattr(head_loss, "_fused", lambda logits: head_loss._fused_cross_entropy or None)
+    with caplog.at_level("WARNING"):
+        got = grads(partial(chunked_head_loss, chunk=CHUNK), head, hidden, targets)
+    assert head_loss._fused_cross_entropy is False
+    assert [r.getMessage() for r in caplog.records if "loss" in r.getMessage()] == [
+        "torch.compile failed on the loss (RuntimeError: inductor: no compiler); its eager path from here on"]
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])

@@ -9,7 +9,11 @@ backward hands them on, scaled by the gradient it receives. A checkpoint per chu
 holds the same but runs each chunk's head matmul and log-softmax twice.
 
 Exact: each chunk runs the very ops autograd would (the head module itself, ``F.cross_entropy`` in fp32,
-under the caller's autocast); only the order in which chunks add into the weights' gradient differs. The
+under the caller's autocast); only the order in which chunks add into the weights' gradient differs. On a CUDA
+device with half-precision logits (mixed precision) the cross-entropy and its gradient with respect to the
+logits are one ``torch.compile``d function instead (``_fused_cross_entropy``: the same fp32 log-softmax, read
+from the half-precision logits and written back as their gradient in one pass, where autograd's path writes
+and reads fp32 copies of the ``[chunk, vocab]`` logits five times); the head's backward is autograd's. The
 weights are differentiated through detached aliases bound in their place (the head's own module, a LoRA
 wrapper, a weight tied to the input embedding alike): hooks on the parameters see one gradient, in the
 loss's backward, as they would without chunks. Where the head's parameters are not plain tensors held by
@@ -20,6 +24,7 @@ run again in the backward.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
@@ -29,6 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatrain_lightning.data.sft_batch import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
 
 
 def chunked_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -63,6 +70,53 @@ def _loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch
     return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")`` and its gradient with
+    respect to ``logits`` (in their dtype), the way autograd computes both: log-softmax in fp32
+    (``x - (max + log(sum(exp(x - max))))``), its backward ``exp(log_softmax) - onehot`` on counted rows."""
+    x = logits.float()
+    counted = targets != IGNORE_INDEX
+    picked = targets.masked_fill(~counted, 0)
+    logp = torch.log_softmax(x, dim=-1)
+    loss = -(logp.gather(1, picked[:, None]).squeeze(1) * counted).sum()
+    p = logp.exp()
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == picked[:, None]  # fused away when compiled
+    grad = torch.where(onehot, p - 1, p) * counted[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+_fused_cross_entropy: object = None  # the compiled cross_entropy_and_grad; False once compiling it failed
+
+
+def _fused(logits: torch.Tensor) -> object:
+    """The compiled :func:`cross_entropy_and_grad` for ``logits`` (CUDA, half precision), else None."""
+    global _fused_cross_entropy
+    if logits.device.type != "cuda" or logits.dtype not in (torch.bfloat16, torch.float16) \
+            or _fused_cross_entropy is False:
+        return None
+    if _fused_cross_entropy is None:
+        _fused_cross_entropy = torch.compile(cross_entropy_and_grad)
+    return _fused_cross_entropy
+
+
+def _chunk_grads(head: nn.Module, h: torch.Tensor, t: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[Any, Any]:
+    """One chunk's summed loss and its gradients with respect to ``wrt`` (its logits live until this returns)."""
+    global _fused_cross_entropy
+    logits = head(h)
+    fused = _fused(logits)
+    if fused is not None:
+        try:
+            loss, grad_logits = fused(logits.detach(), t)  # type: ignore[operator]
+        except Exception as err:  # noqa: BLE001 (inductor's failures have no common type): eager from here on
+            log.warning("torch.compile failed on the loss (%s: %s); its eager path from here on",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            _fused_cross_entropy = False
+        else:
+            return loss, torch.autograd.grad(logits, wrt, grad_logits, allow_unused=True)
+    loss = F.cross_entropy(logits.float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, torch.autograd.grad(loss, wrt, allow_unused=True)
+
+
 class _GradsInForward(torch.autograd.Function):
     """``apply(head, sites, hidden, targets, chunk, *params)`` -> the summed loss; ``params``: the tensors at
     ``sites`` (``(module, name)`` in ``head``) that require grad."""
@@ -83,9 +137,9 @@ class _GradsInForward(torch.autograd.Function):
             for h, t in zip(hidden.split(chunk), targets.split(chunk)):
                 with torch.enable_grad():
                     h = h.detach().requires_grad_(grad_hidden is not None)
-                    loss = _loss(head, h, t)  # this chunk's logits live until the next line returns
                     wrt = ([h] if grad_hidden is not None else []) + aliases
-                    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+                    loss = _chunk_grads(head, h, t, wrt)
+                grads, loss = loss[1], loss[0]
                 if grad_hidden is not None:
                     grad_hidden[start:start + h.shape[0]] = grads[0]
                     grads = grads[1:]
