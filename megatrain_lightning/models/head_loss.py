@@ -107,6 +107,8 @@ def _chunk_grads(head: nn.Module, h: torch.Tensor, t: torch.Tensor, wrt: list[to
     if fused is not None:
         try:
             loss, grad_logits = fused(logits.detach(), t)  # type: ignore[operator]
+        except torch.OutOfMemoryError:
+            raise
         except Exception as err:  # noqa: BLE001 (inductor's failures have no common type): eager from here on
             log.warning("torch.compile failed on the loss (%s: %s); its eager path from here on",
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "")
@@ -138,8 +140,7 @@ class _GradsInForward(torch.autograd.Function):
                 with torch.enable_grad():
                     h = h.detach().requires_grad_(grad_hidden is not None)
                     wrt = ([h] if grad_hidden is not None else []) + aliases
-                    loss = _chunk_grads(head, h, t, wrt)
-                grads, loss = loss[1], loss[0]
+                    loss, grads = _chunk_grads(head, h, t, wrt)
                 if grad_hidden is not None:
                     grad_hidden[start:start + h.shape[0]] = grads[0]
                     grads = grads[1:]
