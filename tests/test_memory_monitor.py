@@ -1,0 +1,46 @@
+"""MemoryMonitor (callbacks/memory.py) under a real Trainer: the caching allocator's retries are logged per step
+and, once they grow in a step after the first ones, named in one warning with what to change. The device counter
+is replaced by a sequence here (a CPU machine has no allocator to fragment)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import megatrain_lightning.callbacks.memory as memory
+from megatrain_lightning.callbacks import MemoryMonitor
+
+
+def fit(monkeypatch: Any, counts: list[int]) -> tuple[pl.Trainer, list[float]]:
+    calls = iter(counts)
+    monkeypatch.setattr(memory, "gpu_alloc_retries", lambda: next(calls))
+    logged: list[float] = []
+
+    class Recorded(BoringModel):
+        def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if name == "gpu_alloc_retries":
+                logged.append(float(value))
+            super().log(name, value, *args, **kwargs)
+
+    trainer = pl.Trainer(max_steps=len(counts), callbacks=[MemoryMonitor()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Recorded())
+    return trainer, logged
+
+
+def test_retries_after_the_first_steps_are_logged_and_warned_once(monkeypatch: Any, caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger=memory.__name__):
+        _, logged = fit(monkeypatch, [0, 3, 3, 3, 7, 9])  # 3 while placing (steps 1-2), then 4 and 2 more
+    assert logged == [3.0, 3.0, 3.0, 7.0, 9.0]  # from the first non-zero count on
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("step 5: torch's CUDA caching allocator found no free block 4 time(s)")
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in warnings[0]
+
+
+def test_no_retries_no_metric_and_no_warning(monkeypatch: Any, caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger=memory.__name__):
+        _, logged = fit(monkeypatch, [0] * 5)
+    assert logged == [] and not caplog.records
