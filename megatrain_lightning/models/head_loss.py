@@ -13,7 +13,9 @@ under the caller's autocast); only the order in which chunks add into the weight
 device with half-precision logits (mixed precision) the cross-entropy and its gradient with respect to the
 logits are one ``torch.compile``d function instead (``_fused_cross_entropy``: the same fp32 log-softmax, read
 from the half-precision logits and written back as their gradient in one pass, where autograd's path writes
-and reads fp32 copies of the ``[chunk, vocab]`` logits five times); the head's backward is autograd's. The
+and reads fp32 copies of the ``[chunk, vocab]`` logits five times); the head's backward is autograd's. At
+Qwen3's head (151,936 words, 16 K tokens) 55.0 instead of 89.1 ms, at GPT-OSS's (201,088, 28 K) 191.9 instead of
+257.9 (H100, 2026-12-05, ``recipes/fused_kernels.py --loss-only``). The
 weights are differentiated through detached aliases bound in their place (the head's own module, a LoRA
 wrapper, a weight tied to the input embedding alike): hooks on the parameters see one gradient, in the
 loss's backward, as they would without chunks. Where the head's parameters are not plain tensors held by

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Prepared in session 20 for the next session (unrun: the session's device time was spent). Issue 18 on an H200,
+# image's transformers, nothing set, steps 4-7 timed (window 4): (1) Qwen3-30B-A3B cut to 10 layers and GPT-OSS-20B
+# cut to 7 at the hardware profile's micro-batch (data.batch_size left to hardware=auto: 4 x 2048), the tokens per
+# step a user gets when the planner asks for no more (it plans both compute-bound at 4); (2) side by side at
+# 8 x 2048, Qwen3 as it is now (session 20 call 4 chose keep 9, cache 9: the first block streamed and updated on
+# the device, reloaded from its device masters) against the masters' round trip of before (session 19's
+# masters_home/sitecustomize.py), the measurement that decides whether commit fed151e stays. BUDGET s.
+set -u
+B=${BUDGET:-570}
+S19=recipes/results/2026-12-05-h100-session19-call-logs
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -1
+export PYTHONUNBUFFERED=1 MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo nvidia-h200 || echo nvidia-h100); echo $MACHINE
+export PYTHONPATH=/tmp/site:$PWD:$PWD/recipes
+Q=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=10" || echo "model.config.num_hidden_layers=5")
+G=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=7" || echo "model.config.num_hidden_layers=4")
+rm -rf outputs/bench
+RUN="trainer=sweep trainer.log_every_n_steps=1 +trainer.callbacks.throughput.skip_first=3 +trainer.callbacks.throughput.window=4 data=synthetic data.seq_len=2048 hardware=auto trainer.max_steps=7"
+bench() {  # name, overrides...
+  local name=$1; shift; local T0=$SECONDS LEFT=$((B - SECONDS))
+  [ $LEFT -gt 90 ] && timeout $((LEFT < 160 ? LEFT : 160)) python3 recipes/bench.py --timeout 155 --out $OUT/throughput --run "$*" > $OUT/$name.log 2>&1
+  echo "$name rc=$? $((SECONDS-T0)) s"
+}
+bench qwen3_default_batch "model=qwen3_30b_a3b $Q $RUN"
+bench qwen3_now "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
+PYTHONPATH=$PWD/$S19/masters_home:$PYTHONPATH bench qwen3_masters_home "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
+bench gpt_oss_default_batch "model=gpt_oss_20b $G $RUN"
+for d in outputs/bench/*/; do echo "== $d"; grep -o "model=[a-z0-9_]*" $d/.hydra/overrides.yaml 2>/dev/null | head -1; grep -h "placement chosen\|Error\|compile failed" $d/output.log | cut -c1-400 | tail -2; python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1]))); print(' | '.join(f\"{r['step']} {float(r['TFLOPS']):.1f} {float(r['tokens/s']):.0f} {r.get('gpu_alloc_retries') or 0}\" for r in rows if r.get('TFLOPS')))" $d/logs/metrics.csv 2>&1 | tail -1; done
+cat $OUT/throughput.md 2>/dev/null | grep "^| 20" | cut -d'|' -f5,7,9-16 | cut -c1-300
+cp -r outputs/bench $OUT/bench_runs 2>/dev/null; rm -f $OUT/bench_runs/*/trace*; cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/call6.tgz
