@@ -5,7 +5,9 @@
 # step a user gets when the planner asks for no more (it plans both compute-bound at 4); (2) side by side at
 # 8 x 2048, Qwen3 as it is now (session 20 call 4 chose keep 9, cache 9: the first block streamed and updated on
 # the device, reloaded from its device masters) against the masters' round trip of before (session 19's
-# masters_home/sitecustomize.py), the measurement that decides whether commit fed151e stays. BUDGET s.
+# masters_home/sitecustomize.py), the measurement that decides whether commit fed151e stays; (3) docs/moe.md's
+# "to measure": idle experts per step at a GPT-OSS-like size under the router loss, bf16, and the same without the
+# router loss (its cost). PART=1: (1) and (3); PART=2: (2) (each about 5 minutes on an H200). BUDGET s.
 set -u
 B=${BUDGET:-570}
 S19=recipes/results/2026-12-05-h100-session19-call-logs
@@ -21,10 +23,18 @@ bench() {  # name, overrides...
   [ $LEFT -gt 90 ] && timeout $((LEFT < 160 ? LEFT : 160)) python3 recipes/bench.py --timeout 155 --out $OUT/throughput --run "$*" > $OUT/$name.log 2>&1
   echo "$name rc=$? $((SECONDS-T0)) s"
 }
+PART=${PART:-1}
+if [ $PART = 1 ]; then
 bench qwen3_default_batch "model=qwen3_30b_a3b $Q $RUN"
+bench gpt_oss_default_batch "model=gpt_oss_20b $G $RUN"
+T0=$SECONDS; LEFT=$((B - SECONDS)); MOE="--accelerator cuda --precision bf16-mixed --arch gpt_oss --hidden 2880 --layers 4 --experts 32 --top-k 4 --micro-batch 4 --seq-len 2048 --steps 10"
+[ $LEFT -gt 60 ] && timeout $((LEFT < 120 ? LEFT : 120)) python3 recipes/moe_router_loss.py $MOE > $OUT/moe_idle.log 2>&1; echo "moe idle experts rc=$? $((SECONDS-T0)) s"; grep "^{" $OUT/moe_idle.log | cut -c1-600
+T0=$SECONDS; LEFT=$((B - SECONDS))
+[ $LEFT -gt 60 ] && timeout $((LEFT < 100 ? LEFT : 100)) python3 recipes/moe_router_loss.py $MOE --coef 0 > $OUT/moe_no_router_loss.log 2>&1; echo "moe without router loss rc=$? $((SECONDS-T0)) s"; grep "^{" $OUT/moe_no_router_loss.log | cut -c1-600
+else
 bench qwen3_now "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
 PYTHONPATH=$PWD/$S19/masters_home:$PYTHONPATH bench qwen3_masters_home "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
-bench gpt_oss_default_batch "model=gpt_oss_20b $G $RUN"
+fi
 for d in outputs/bench/*/; do echo "== $d"; grep -o "model=[a-z0-9_]*" $d/.hydra/overrides.yaml 2>/dev/null | head -1; grep -h "placement chosen\|Error\|compile failed" $d/output.log | cut -c1-400 | tail -2; python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1]))); print(' | '.join(f\"{r['step']} {float(r['TFLOPS']):.1f} {float(r['tokens/s']):.0f} {r.get('gpu_alloc_retries') or 0}\" for r in rows if r.get('TFLOPS')))" $d/logs/metrics.csv 2>&1 | tail -1; done
 cat $OUT/throughput.md 2>/dev/null | grep "^| 20" | cut -d'|' -f5,7,9-16 | cut -c1-300
-cp -r outputs/bench $OUT/bench_runs 2>/dev/null; rm -f $OUT/bench_runs/*/trace*; cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/call6.tgz
+cp -r outputs/bench $OUT/bench_runs 2>/dev/null; rm -f $OUT/bench_runs/*/trace*; cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/call6_part$PART.tgz
