@@ -74,7 +74,8 @@ class PlainQwen(pl.LightningModule):
 # layer's spread was 8.3e-3 and the other layers' up to 6.5e-2). Biases, whose state is the updates alone, pool
 # their spread over every bias (2026-12-05, H100: the v_proj biases' largest spread over the layers was 1.2e-2
 # in one pair of runs, a v_proj.bias 7.6e-2 off, the q_proj biases' spread 3.6e-2; two reruns passed, both v_proj
-# biases 5.5e-2 within their spread 5.2e-2). Stale or wrong weights (a stream-ordering
+# biases 5.5e-2 within their spread 5.2e-2). A stale slot or a missed update moves every weight of its block, each held to its role's spread, so
+# the pooled biases lose nothing of that. Stale or wrong weights (a stream-ordering
 # defect) differ by far more; the fp32 case of (b) holds the back-off to fp32 rounding. The same engine path on
 # the CPU, placements taken between micro-batches included, is exact: tests/test_measured_placement.py.
 NOISE_FACTOR, FLOOR = 4.0, 1e-4

@@ -189,58 +189,121 @@ def test_causal_lm_with_its_chunked_loss_trains_under_the_strategy_as_under_the_
 
 def test_the_fused_cross_entropy_is_autograds_value_and_gradient() -> None:
     """``cross_entropy_and_grad`` (compiled on a CUDA device under mixed precision) against autograd through
-    ``F.cross_entropy``: bf16 logits bit for bit eager, within an fp32 ulp of each softmax value compiled; ignored
-    rows get no gradient."""
+    ``F.cross_entropy``, bf16 and fp16 logits: gradients bit for bit eager, within an fp32 exp ulp compiled; ignored
+    rows get no gradient and no loss even where their logits hold -inf (a masked vocabulary entry)."""
     from megatrain_lightning.models.head_loss import cross_entropy_and_grad
 
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(N, V, generator=g) * 3).bfloat16().requires_grad_()
     targets = case()[2]
-    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    (want,) = torch.autograd.grad(loss, logits)
-    got_loss, got = cross_entropy_and_grad(logits.detach(), targets)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
-    assert not got[targets == IGNORE_INDEX].any()
-    compiled = torch.compile(cross_entropy_and_grad)(logits.detach(), targets)
-    torch.testing.assert_close(compiled[0], loss, rtol=1e-6, atol=0)
-    torch.testing.assert_close(compiled[1], want, rtol=1e-2, atol=1e-6)  # an fp32 exp ulp, rounded to bf16
-    assert (compiled[1] != want).float().mean() < 0.01
+    compiled = torch.compile(cross_entropy_and_grad)
+    for dtype in (torch.bfloat16, torch.float16):
+        g = torch.Generator().manual_seed(0)
+        logits = (torch.randn(N, V, generator=g) * 3).to(dtype)
+        logits[targets == IGNORE_INDEX, 0] = float("-inf")  # the row's picked index when ignored
+        logits = logits.requires_grad_()
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        (want,) = torch.autograd.grad(loss, logits)
+        for fn in (cross_entropy_and_grad, compiled):
+            got_loss, got = fn(logits.detach(), targets)
+            assert got.dtype == dtype and torch.isfinite(got_loss)
+            torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+            if fn is cross_entropy_and_grad:
+                assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-6)  # an fp32 exp ulp, rounded
+            assert (got != want).float().mean() < 0.01 and not got[targets == IGNORE_INDEX].any()
 
 
-def test_the_chunks_through_the_fused_cross_entropy_train_as_through_autograds(monkeypatch: Any) -> None:
-    """The chunks with the fused cross-entropy (forced here on the CPU under bf16 autocast, where it is off) give
-    the eager path's loss and gradients: the head's backward takes the logits' gradient the fused function made."""
+@pytest.fixture
+def fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The compiled cross-entropy taken on the CPU too (as on a GPU under mixed precision), each use recorded."""
     import megatrain_lightning.models.head_loss as head_loss
 
-    head, hidden, targets = case()
-    ours = partial(chunked_head_loss, chunk=CHUNK)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = grads(ours, head, hidden, targets)
-        used: list[torch.dtype] = []
-        monkeypatch.setattr(head_loss, "_fused", lambda logits: used.append(logits.dtype) or
-                            head_loss.cross_entropy_and_grad)
-        fused = grads(ours, head, hidden, targets)
-    assert used == [torch.bfloat16] * 6  # one call per chunk of 7 of the 40 rows
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
-    assert torch.equal(fused[1], eager[1])
-    for name in ("weight", "bias"):
-        assert torch.equal(fused[2][name], eager[2][name]), name
+    monkeypatch.setattr(head_loss, "FUSED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(head_loss, "_fused_cross_entropy", None)
+    used: list[torch.dtype] = []
+    fused = head_loss._fused
+    monkeypatch.setattr(head_loss, "_fused", lambda logits: used.append(logits.dtype) or fused(logits))
+    return used
 
 
-def test_a_failing_compile_of_the_loss_falls_back_to_its_eager_path(monkeypatch: Any, caplog: Any) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("what", ["bias", "hidden frozen", "tied weight", "lora"])
+def test_the_chunks_through_the_compiled_cross_entropy_train_as_through_autograds(
+        fused_on_cpu: list[torch.dtype], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, what: str) -> None:
+    """The chunks through the compiled cross-entropy (under autocast; a chunk wholly ignored, one partly) give
+    autograd's loss and gradients: the head's backward takes the logits' gradient the compiled function made."""
+    import megatrain_lightning.models.head_loss as head_loss
+
+    head, hidden, targets = case(bias=what == "bias")
+    if what == "hidden frozen":
+        hidden = hidden.detach()
+    if what == "tied weight":
+        embed = nn.Embedding(V, D)
+        head.weight = embed.weight
+    if what == "lora":
+        peft = pytest.importorskip("peft")
+
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm_head = head
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.lm_head(x)
+
+        head = peft.get_peft_model(Head(), peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        head.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_(hidden.requires_grad)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = chunked_head_loss(head, h, targets, CHUNK)
+        loss.backward()
+        return loss.detach(), h.grad, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    compiled = run()
+    assert fused_on_cpu == [dtype] * 6 and callable(head_loss._fused_cross_entropy)  # one call per chunk of 7
+    monkeypatch.setattr(head_loss, "FUSED_DEVICES", ())
+    eager = run()
+    assert len(fused_on_cpu) == 12 and compiled[2].keys() == eager[2].keys() and compiled[2]
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
+    for got, want in [(compiled[1], eager[1])] + [(compiled[2][n], eager[2][n]) for n in eager[2]]:
+        if want is None:
+            assert got is None
+        else:  # the logits' gradients within an fp32 exp ulp each, rounded to 16 bits, through the head's matmuls
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
+
+
+def test_a_failing_compile_of_the_loss_falls_back_to_its_eager_path(
+        fused_on_cpu: list[torch.dtype], monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     import megatrain_lightning.models.head_loss as head_loss
 
     def fails(logits: torch.Tensor, targets: torch.Tensor) -> Any:
-        raise RuntimeError("inductor: no compiler\nmore")
+        raise torch._dynamo.exc.TorchDynamoException("inductor: no compiler\nmore")
 
     head, hidden, targets = case()
-    eager = grads(partial(chunked_head_loss, chunk=CHUNK), head, hidden, targets)
+    monkeypatch.setattr(head_loss, "FUSED_DEVICES", ())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = grads(partial(chunked_head_loss, chunk=CHUNK), head, hidden, targets)
+    monkeypatch.setattr(head_loss, "FUSED_DEVICES", ("cpu",))
     monkeypatch.setattr(head_loss, "_fused_cross_entropy", fails)
-    monkeypatch.setattr(head_loss, "_fused", lambda logits: head_loss._fused_cross_entropy or None)
-    with caplog.at_level("WARNING"):
+    fused_on_cpu.clear()
+    with caplog.at_level("WARNING"), torch.autocast("cpu", dtype=torch.bfloat16):
         got = grads(partial(chunked_head_loss, chunk=CHUNK), head, hidden, targets)
-    assert head_loss._fused_cross_entropy is False
+    assert head_loss._fused_cross_entropy is False and len(fused_on_cpu) == 6  # asked each chunk; failed once
     assert [r.getMessage() for r in caplog.records if "loss" in r.getMessage()] == [
-        "torch.compile failed on the loss (RuntimeError: inductor: no compiler); its eager path from here on"]
+        "torch.compile failed on the loss (TorchDynamoException: inductor: no compiler); its eager path from here on"]
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+
+
+def test_bad_targets_raise_through_the_compiled_cross_entropy_and_leave_it_on(fused_on_cpu: list[torch.dtype]) -> None:
+    """A target outside the vocabulary is the data's error, not the compiler's: it propagates, the compiled path
+    stays on."""
+    import megatrain_lightning.models.head_loss as head_loss
+
+    head, hidden, targets = case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_head_loss(head, hidden, targets, CHUNK).backward()  # compiled first, with good targets
+        targets[0] = V + 3
+        with pytest.raises((RuntimeError, IndexError)):
+            chunked_head_loss(head, hidden, targets, CHUNK)
+    assert callable(head_loss._fused_cross_entropy)

@@ -36,4 +36,4 @@ def test_cuda_chunked_loss_with_the_compiled_cross_entropy_matches_autograds(mon
     eager = run()
     rel = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(compiled, eager)]
     print(f"compiled cross-entropy against autograd's (loss, hidden grad, weight grad): {rel}")
-    assert rel[0] < 1e-6 and rel[1] < 2e-3 and rel[2] < 2e-3
+    assert rel[0] < 1e-6 and rel[1] < 1e-5 and rel[2] < 1e-5  # H100, 2026-12-05: 0.0, 1.2e-06, 4.7e-07

@@ -44,3 +44,20 @@ def test_no_retries_no_metric_and_no_warning(monkeypatch: Any, caplog: Any) -> N
     with caplog.at_level(logging.WARNING, logger=memory.__name__):
         _, logged = fit(monkeypatch, [0] * 5)
     assert logged == [] and not caplog.records
+
+
+def test_a_resumed_fit_settles_again_before_it_warns(monkeypatch: Any, caplog: Any, tmp_path: Any) -> None:
+    """The strategy measures and tries a placement again in every fit: a fit resumed at step 4 counts its own
+    first steps, retries there (a backed-off trial) warn nothing, later ones do."""
+    calls = iter([0] * 4 + [0, 2, 2, 5])  # the first fit's 4 steps, then the resumed fit's steps 5-8
+    monkeypatch.setattr(memory, "gpu_alloc_retries", lambda: next(calls))
+    kwargs: dict[str, Any] = dict(callbacks=[MemoryMonitor()], logger=False, enable_progress_bar=False,
+                                  enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    first = pl.Trainer(max_steps=4, **kwargs)
+    first.fit(BoringModel())
+    ckpt = tmp_path / "at4.ckpt"
+    first.save_checkpoint(ckpt)
+    with caplog.at_level(logging.WARNING, logger=memory.__name__):
+        pl.Trainer(max_steps=8, **kwargs).fit(BoringModel(), ckpt_path=ckpt)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("step 8: torch's CUDA caching allocator found no free block 3 time(s)")

@@ -41,13 +41,18 @@ def gpu_alloc_retries() -> int:
 
 class MemoryMonitor(pl.Callback):
     """Logs `peak_gpu_mem_GiB` (reserved), `peak_host_rss_GiB` and `gpu_alloc_retries` (so far) every training
-    step; warns once when the allocator retries in a step after the first ``settle_steps`` (the strategy's
-    first steps measure and may try placements)."""
+    step; warns once (rank 0) when the allocator retries in a step after the first ``settle_steps`` of a fit
+    (the strategy's first steps of every fit, a resumed one too, measure and may try placements)."""
 
     def __init__(self, settle_steps: int = 2) -> None:
         self.settle_steps = settle_steps
         self._retries: int | None = None
+        self._first_step = 0  # global_step when this fit started (a resumed fit measures its placement again)
         self._warned = False
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._retries, self._first_step = None, trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -58,7 +63,8 @@ class MemoryMonitor(pl.Callback):
         if retries or self._retries:
             pl_module.log("gpu_alloc_retries", float(retries), on_step=True, on_epoch=False)
         before, self._retries = self._retries, retries
-        if before is not None and retries > before and trainer.global_step > self.settle_steps and not self._warned:
+        settled = trainer.global_step - self._first_step > self.settle_steps
+        if before is not None and retries > before and settled and not self._warned and trainer.is_global_zero:
             self._warned = True
             log.warning(
                 "step %d: torch's CUDA caching allocator found no free block %d time(s) and released its cache to "
