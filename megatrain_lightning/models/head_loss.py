@@ -87,7 +87,8 @@ def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple
     else:
         # run eagerly (dynamo disabled, or fallen back): in place, no [chunk, vocab] buffer beside logp and
         # the result (10 B per logit at the peak, under the 12 the planner counts for autograd's path)
-        grad = logp.exp_().scatter_add_(1, picked, torch.full(picked.shape, -1.0, device=logp.device))
+        minus_one = torch.full(picked.shape, -1.0, dtype=logp.dtype, device=logp.device)
+        grad = logp.exp_().scatter_add_(1, picked, minus_one)
     return loss, grad.masked_fill_(~counted[:, None], 0.0).to(logits.dtype)
 
 
