@@ -13,7 +13,8 @@ class EngineStats:
     """Counters since the engine was built (or :meth:`reset`).
 
     ``h2d``/``reused``/``d2h`` are keyed by block index, or ``RESIDENT``/``RESIDENT_AFTER`` for the
-    resident parts: how often each store's weights went to the device, were reused in a slot already
+    resident parts: how often each store's weights were loaded into a slot (from the host, or a block's
+    from its masters updated on the device), were reused in a slot already
     holding them, and how often its gradients came back.
     """
 

@@ -69,7 +69,11 @@ def _plain_weights(head: nn.Module) -> bool:
 
 
 def _loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _cross_entropy(head(hidden), targets)
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +126,7 @@ def _chunk_grads(head: nn.Module, h: torch.Tensor, t: torch.Tensor, wrt: list[to
             _fused_cross_entropy = False
         else:
             return loss, torch.autograd.grad(logits, wrt, grad_logits, allow_unused=True)
-    loss = F.cross_entropy(logits.float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = _cross_entropy(logits, t)
     return loss, torch.autograd.grad(loss, wrt, allow_unused=True)
 
 
