@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -145,24 +144,24 @@ if importlib.util.find_spec("deepspeed") is None:
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
-    """All bad-input runs at once: each is mostly interpreter start-up, so they overlap well."""
+    """All bad-input runs at once, each `python train.py ARGS` in a child forked after the imports they share
+    (tests/forked_train.py: one interpreter start-up, not one per case; 65 s of the suite before)."""
     cwd = tmp_path_factory.mktemp("bad_input")
     (cwd / "bad.jsonl").write_text('{"query": "q", "response": "a"}\n{"query": "q2", "response": \n')
     (cwd / "unknown.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    names = sorted(BAD_INPUT)
+    spec = {"cwd": str(cwd), "address_space": ADDRESS_SPACE_LIMIT,
+            "cases": {f"case{i}": BAD_INPUT[name][0] for i, name in enumerate(names)}}
+    (cwd / "cases.json").write_text(json.dumps(spec))
     started = time.perf_counter()
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
-
-    procs = {
-        name: subprocess.Popen(
-            train_cmd(*args), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit_memory
-        )
-        for name, (args, _) in BAD_INPUT.items()
-    }
+    subprocess.run([sys.executable, str(Path(__file__).parent / "forked_train.py"), str(cwd / "cases.json")],
+                   check=True, timeout=300)
+    imported = time.perf_counter() - started - max(float((cwd / f"case{i}.s").read_text()) for i in range(len(names)))
     results = {}
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=300)
-        results[name] = (subprocess.CompletedProcess(p.args, p.returncode, out, err), time.perf_counter() - started)
+    for i, name in enumerate(names):
+        out, err, rc = ((cwd / f"case{i}.{x}").read_text() for x in ("out", "err", "rc"))
+        elapsed = imported + float((cwd / f"case{i}.s").read_text())  # as if started alone: the imports, then the case
+        results[name] = (subprocess.CompletedProcess(train_cmd(*BAD_INPUT[name][0]), int(rc), out, err), elapsed)
     return results
 
 
