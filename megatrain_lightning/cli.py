@@ -30,6 +30,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.hardware import HardwareProfile, resolve_hardware
 from megatrain_lightning.plan import GB, Plan, check_baseline_host, device_state_warning, plan_from_config, verdict
+from megatrain_lightning.plan import from_config
 from megatrain_lightning.plan.placement import placement_line
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,13 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
     refusal, device warning), or the 16 B/param of a baseline. Returns the plan (MegaTrain) and the host
     bytes of training state it counts."""
     if _is_megatrain(cfg.strategy):
-        plan = plan_from_config(cfg, refuse_device=False)
+        shape = from_config.model_shape(cfg)
+        plan = plan_from_config(cfg, shape=shape, refuse_device=False)  # refuses a host too small, one paragraph
+        picked = from_config.moe_micro_batch(cfg, shape)  # a mixture of experts left at the profile's micro-batch
+        if picked is not None:
+            cfg.data.batch_size = picked[0]
+            log.info("%s", picked[1])
+            plan = plan_from_config(cfg, shape=shape, refuse_device=False)
         if plan.chosen:
             # The strategy chooses the open fields itself, from its measured first step; only saved inputs
             # the streaming placement needs offloaded (it would not fit the device otherwise) are set here.

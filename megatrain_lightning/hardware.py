@@ -48,6 +48,10 @@ class HardwareProfile:
             buffers (about 8x slower copies) rather than starve the machine.
         host_adam_gparams_per_s: fused fp32 AdamW on the host, G params/s (the planner's host
             optimizer ceiling; memory-bandwidth bound, so it scales with the host's DRAM bandwidth).
+        device_update_gparams_per_s: the update of what MegaTrainStrategy updates on the device
+            (``update_on_device``), G params/s: its bf16 gradients widened to fp32, torch's fused fp32 AdamW, the
+            new weights cast into their bf16 slots (device-memory-bandwidth bound, on the compute stream: it adds
+            to the step's device time).
     """
 
     name: str
@@ -63,6 +67,7 @@ class HardwareProfile:
     seq_len: int
     pinned_budget_gb: float
     host_adam_gparams_per_s: float = 1.0  # unknown host: a conservative guess; profiles set their own
+    device_update_gparams_per_s: float = 30.0  # unknown GPU: a conservative guess; profiles set their own
 
 
 def measured_host_memory_gb() -> float:

@@ -4,8 +4,9 @@
 What the planner reads from a profile, measured the way the shipped profiles were: the pinned host->device
 copy bandwidth (`link_gb_per_s`, the best of --repeats copies of --copy-gb; device->host printed beside it),
 the bf16 matmul rate at 8192^3 (`peak_bf16_tflops`, the denominator of MFU), torch's fused fp32 AdamW on the
-host over --params parameters (`host_adam_gparams_per_s`, HostOptimizer's fp32 step), and the memory sizes
-(device: total; host: MemTotal). Needs CUDA. About 30 B/param of host memory for the AdamW part.
+host over --params parameters (`host_adam_gparams_per_s`, HostOptimizer's fp32 step), the device's own update
+over as many (`device_update_gparams_per_s`: bf16 gradients widened, the fused fp32 AdamW, the weights cast into a
+bf16 slot, as engine/device_update.py runs it), and the memory sizes (device: total; host: MemTotal). Needs CUDA. About 30 B/param of host memory for the AdamW part.
 """
 
 from __future__ import annotations
@@ -68,6 +69,31 @@ def host_adam(params: float, repeats: int) -> float:
     return n / best / 1e9
 
 
+def device_update(params: float, repeats: int, device: str = "cuda") -> float:
+    """G params/s of the device's update of a block (engine/device_update.py): its bf16 gradient widened to fp32,
+    one fused AdamW over the fp32 masters and moments, the new weights cast into the block's bf16 slot."""
+    n = int(params)
+    master, m, v = (torch.zeros(n, device=device) for _ in range(3))
+    grad, slot = torch.randn(n, device=device, dtype=torch.bfloat16) * 1e-3, torch.empty(n, device=device, dtype=torch.bfloat16)
+    step = torch.ones((), device=device)
+    hyper = AdamHyper(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+
+    def update() -> None:
+        step_fp32(master, m, v, [Piece(0, n, grad.float(), step)], hyper)
+        slot.copy_(master)
+
+    if device == "cuda":
+        return n / _best_cuda(update, repeats) / 1e9
+    update()
+    return n / min(_timed(update) for _ in range(repeats)) / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--name", required=True, help="the profile's name (its file name under conf/hardware)")
@@ -81,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     h2d, d2h = link(args.copy_gb, args.repeats)
     tflops = matmul(args.repeats)
     adam = host_adam(args.params, args.repeats)
+    on_device = device_update(args.params, args.repeats)
     host = measured_host_memory_gb()
     print(f"# {props.name}, {props.total_memory / GB:.0f} GB; host {host:.0f} GB, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d')}"
@@ -95,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     print("micro_batch: 4")
     print(f"pinned_budget_gb: {PINNED_FRACTION * host:.0f}   # {PINNED_FRACTION:.0%} of the host, as hardware=auto allows")
     print(f"host_adam_gparams_per_s: {adam:.1f}  # torch fused fp32 AdamW, {args.params / 1e6:.0f} M params")
+    print(f"device_update_gparams_per_s: {on_device:.0f}  # bf16 grads widened, fused fp32 AdamW, cast to bf16, "
+          f"{args.params / 1e6:.0f} M params")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import pytest
 from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.hardware import HardwareProfile
 from megatrain_lightning.models.model_shape import ModelShape
-from megatrain_lightning.plan.timing import HOST_ADAM_IN_STEP, ROUTED_SECONDS_PER_ELEMENT, matmul_efficiency
+from megatrain_lightning.plan.timing import (HOST_ADAM_IN_STEP, ROUTED_SECONDS_PER_ELEMENT, ROUTED_SECONDS_PER_ELEMENT_INSIDE,
+                                             matmul_efficiency)
 from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, plan_from_config
 
 # 2 blocks of 300 params, 400 resident, widths small enough to add by hand (as tests/test_planner.py).
@@ -76,6 +77,124 @@ def test_routed_rows_and_their_device_time() -> None:
     tokens = 6
     assert routed.times["device compute"] - make_plan(moe, eager, HW).times["device compute"] == pytest.approx(
         tokens * 3 * SHAPE.hidden * ROUTED_SECONDS_PER_ELEMENT * (1 + 2 + 1))
+
+
+def test_experts_compiled_inside_their_blocks_route_at_their_own_rate() -> None:
+    """Grouped GEMM experts without biases compile inside their block's graph (engine/compiled.inside_graphs): the
+    planner charges their routing at ROUTED_SECONDS_PER_ELEMENT_INSIDE when the blocks compile, at the eager rate
+    when they do not; GPT-OSS's experts (biases) and transformers' eager loop stay at the eager rate."""
+    from zoo import TinyGptOss, TinyQwen3Moe
+
+    assert PlanShape.of(TinyQwen3Moe(experts_implementation="grouped_mm_gather").model).routing_inside
+    assert PlanShape.of(TinyQwen3Moe(experts_implementation="grouped_mm").model).routing_inside
+    assert not PlanShape.of(TinyQwen3Moe().model).routing_inside  # transformers' eager loop
+    assert not PlanShape.of(TinyGptOss(experts_implementation="grouped_mm_gather").model).routing_inside
+    moe = dataclasses.replace(SHAPE, active_block_params=150)
+    tokens, passes = 6, 1 + 2 + 1
+    for compiled, per_row in ((True, ROUTED_SECONDS_PER_ELEMENT_INSIDE), (False, ROUTED_SECONDS_PER_ELEMENT)):
+        run = RUN.replace(compile_blocks=compiled)
+        inside = make_plan(dataclasses.replace(moe, routed_rows=3, routing_inside=True), run, HW)
+        assert inside.times["device compute"] - make_plan(moe, run, HW).times["device compute"] == pytest.approx(
+            tokens * 3 * SHAPE.hidden * per_row * passes)
+    assert 0 < ROUTED_SECONDS_PER_ELEMENT_INSIDE < ROUTED_SECONDS_PER_ELEMENT
+
+
+def test_what_the_device_updates_adds_its_update_to_the_device_time() -> None:
+    """update_on_device: the part before the blocks (resident less the untied head: 200) and the first block (300)
+    are widened, updated and cast on the device, at the profile's device_update_gparams_per_s; the same run
+    updating nothing there has no such term (its host update is what changes instead)."""
+    run = RUN.replace(update_on_device=True, overlap_next_forward=True)
+    assert run.update_on_device and run.device_blocks(SHAPE.layers) == 1
+    slow, fast = (dataclasses.replace(HW, device_update_gparams_per_s=r) for r in (1e-6, 2e-6))  # 1 and 2 k params/s
+    gap = make_plan(SHAPE, run, slow).times["device compute"] - make_plan(SHAPE, run, fast).times["device compute"]
+    assert gap == pytest.approx(500 / 1e3 - 500 / 2e3)
+    off = RUN.replace(update_on_device=False)
+    assert make_plan(SHAPE, off, slow).times["device compute"] == make_plan(SHAPE, off, fast).times["device compute"]
+
+
+# The mixture-of-experts runs of 2026-12-05 on the H200 (recipes/results/2026-12-05-session20.md), nothing set but
+# hardware=auto and data.batch_size, steps 4-7 timed, each with the placement its strategy chose: (overrides, s/step).
+# The Qwen3 run set ROUTED_SECONDS_PER_ELEMENT_INSIDE; the GPT-OSS one fit nothing here (its experts route eagerly).
+H200_MOE_RUNS = {
+    "qwen3_30b_a3b": (["model.config.num_hidden_layers=10", "data.batch_size=8", "strategy.engine.keep_activations=9",
+                       "strategy.engine.kept_saves=all", "strategy.engine.cache_weights=9",
+                       "strategy.engine.update_on_device=10"], 0.3191, 0.02),
+    "gpt_oss_20b": (["model.config.num_hidden_layers=7", "data.batch_size=14", "strategy.engine.keep_activations=5",
+                     "strategy.engine.kept_saves=matmuls", "strategy.engine.cache_weights=5",
+                     "strategy.engine.update_on_device=7"], 0.9643, 0.10),
+}
+
+
+@pytest.mark.parametrize("model", sorted(H200_MOE_RUNS))
+def test_the_planned_step_against_the_h200_moe_runs(model: str) -> None:
+    overrides, measured, bound = H200_MOE_RUNS[model]
+    plan = plan_from_config(_compose([f"model={model}", "hardware=h200_126g", "data=synthetic", *overrides]))
+    assert plan.run.compiled() and plan.run.device_blocks(plan.shape.layers) >= 6
+    error = plan.step_s / measured - 1
+    print(f"\n{model}: planned {plan.step_s:.4f} s, measured {measured:.4f} s ({error:+.1%})")
+    assert abs(error) <= bound
+
+
+def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profiles() -> None:
+    """GPT-OSS-20B cut to 7 layers on the H200: at the profile's 4 rows the update of all 6.9 B parameters is a
+    large part of each step; the pick is the smallest micro-batch planned within 10% of the best the device holds
+    (8 x 4 rows at most), said in one line. Not picked: a batch size the user set, a dense model, accumulation, a
+    plan for a CPU."""
+    from megatrain_lightning.plan.experts import PICK_FRACTION
+    from megatrain_lightning.plan.from_config import model_shape, moe_micro_batch
+
+    base = ["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "data=synthetic"]
+    cfg = _compose(base)
+    shape = model_shape(cfg)
+    picked = moe_micro_batch(cfg, shape)
+    assert picked is not None
+    mb, line = picked
+    assert cfg.data.batch_size == 4  # the config itself is left as it was: the caller applies the pick
+
+    def rate(batch: int) -> float:
+        plan = plan_from_config(_compose([*base, f"data.batch_size={batch}"]), shape=shape, refuse_device=False)
+        assert plan.gpu_total <= plan.gpu_available
+        return batch * 2048 / plan.step_s
+
+    rates = {b: rate(b) for b in range(4, 33)}
+    best = max(rates.values())
+    assert rates[mb] >= PICK_FRACTION * best and all(rates[b] < PICK_FRACTION * best for b in range(4, mb))
+    assert rates[mb] > 1.15 * rates[4]
+    assert line.startswith(f"data.batch_size={mb}: the planner's pick for gpt_oss_20b, a mixture of experts (15% ")
+    assert f"{mb * 2048:,} tokens per step" in line and "Set data.batch_size to choose it yourself" in line
+    for other in (["data.batch_size=4"], ["trainer.accumulate_grad_batches=2"], ["hardware=cpu"]):
+        assert moe_micro_batch(_compose([*base, *other]), shape) is None, other
+    assert moe_micro_batch(_compose(["model=qwen2_5_7b", "hardware=h200_126g", "data=synthetic"])) is None
+
+
+def test_train_start_runs_at_the_picked_micro_batch(caplog: pytest.LogCaptureFixture) -> None:
+    """train.py's fit check applies the pick to the config the data module is built from, and says so."""
+    from megatrain_lightning import cli
+    from megatrain_lightning.hardware import resolve_hardware
+
+    cfg = _compose(["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "data=synthetic"])
+    with caplog.at_level(logging.INFO, logger=cli.__name__):
+        plan, _ = cli.check_fits(cfg, resolve_hardware(cfg), "gpt_oss_20b", "megatrain", 0)
+    assert cfg.data.batch_size > 4 and plan.run.work.micro_batch == cfg.data.batch_size
+    said = [r.getMessage() for r in caplog.records if r.name == cli.__name__]
+    assert any(m.startswith(f"data.batch_size={cfg.data.batch_size}: the planner's pick") for m in said), said
+
+
+def test_picking_stops_at_the_first_micro_batch_the_device_cannot_hold() -> None:
+    from megatrain_lightning.plan.experts import pick_micro_batch
+
+    assert pick_micro_batch(lambda mb: 100.0 * mb if mb <= 6 else None, 4) == (6, {4: 400.0, 5: 500.0, 6: 600.0})
+    assert pick_micro_batch(lambda mb: 100.0 - 1 / mb, 4)[0] == 4  # flat: the profile's stays
+    assert pick_micro_batch(lambda mb: None, 4) == (4, {})
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning.conf_dir import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
 
 
 def _gpt_oss(overrides: list[str], model: str = "gpt_oss_20b"):

@@ -18,10 +18,12 @@ def test_every_recipe_opens_with_the_command_that_runs_it() -> None:
 
 
 def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None:
-    """recipes/measure_hardware.py (the H100 profile's numbers): its host AdamW timing runs anywhere; without CUDA
-    it stops with one line saying why, before measuring anything."""
+    """recipes/measure_hardware.py (the H100 profile's numbers): its host AdamW and device update timings run
+    anywhere (the latter here on the CPU); without CUDA it stops with one line saying why, before measuring
+    anything."""
     recipe = load("measure_hardware")
     assert 0 < recipe.host_adam(1e5, 1) < 1e3  # G params/s
+    assert 0 < recipe.device_update(1e5, 1, device="cpu") < 1e3
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA is not available"):
             recipe.main(["--name", "here"])

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..conf_dir import config_dir
     from ..errors import ConfigError
     from . import format_plan, plan_from_config
+    from .from_config import model_shape, moe_micro_batch
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -28,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
-        print(format_plan(plan_from_config(cfg)))
+        shape = model_shape(cfg)
+        plan = plan_from_config(cfg, shape=shape)  # refuses a host too small first, as train.py does
+        picked = moe_micro_batch(cfg, shape)  # as train.py picks it
+        if picked is not None:
+            cfg.data.batch_size = picked[0]
+            print(picked[1])
+            plan = plan_from_config(cfg, shape=shape)
+        print(format_plan(plan))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

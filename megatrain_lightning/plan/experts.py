@@ -10,6 +10,10 @@ micro-batch (a larger micro-batch), the host update per step (accumulation too).
 
 :func:`host_bound_warning` says so, with the workload that would make device compute the busiest resource
 again (by the same step model, ``timing.py``); the plan carries it, its report and ``train.py`` print it.
+
+Where the micro-batch is left to the hardware profile, the planner picks it for a mixture of experts
+(:func:`pick_micro_batch`, applied to a config by ``from_config.moe_micro_batch``): the work per step on every
+parameter (the host AdamW, the device's update of what it holds, the copies) is spread over more tokens.
 """
 
 from __future__ import annotations
@@ -79,6 +83,29 @@ def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: d
                 + (f", hiding them takes {copies}" if copies is not None else "")
                 + " (strategy.engine.cache_weights or keep_activations cut them)")
     return out
+
+
+# The micro-batch picked for a mixture of experts: the smallest whose planned tokens/s is within PICK_FRACTION of
+# the best the device holds among the hardware profile's micro-batch to PICK_MAX_FACTOR times it. Past that the
+# throughput grows slowly (the work per step is already spread) while the optimizer takes fewer, larger steps.
+PICK_FRACTION = 0.9
+PICK_MAX_FACTOR = 8
+
+
+def pick_micro_batch(tokens_per_s: Callable[[int], float | None], base: int) -> tuple[int, dict[int, float]]:
+    """The smallest micro-batch >= ``base`` whose ``tokens_per_s`` is at least PICK_FRACTION of the best over
+    ``base`` .. PICK_MAX_FACTOR x ``base``; ``tokens_per_s(mb)`` is None where ``mb`` does not fit the device (the
+    search stops at the first). Returns it and the rates planned (``base`` when none fits)."""
+    rates: dict[int, float] = {}
+    for mb in range(base, PICK_MAX_FACTOR * base + 1):
+        rate = tokens_per_s(mb)
+        if rate is None:
+            break
+        rates[mb] = rate
+    if not rates:
+        return base, rates
+    best = max(rates.values())
+    return min(mb for mb, r in rates.items() if r >= PICK_FRACTION * best), rates
 
 
 def plan_note(shape: PlanShape) -> str:

@@ -4,12 +4,14 @@ fields chosen (``placement.py``)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..hardware import resolve_hardware
+from .experts import PICK_FRACTION, pick_micro_batch
 from .fit import Plan, make_plan, resolve
 from .placement import choose_placement
 from .run import Workload
@@ -56,14 +58,15 @@ def workload(cfg: Any, bf16: bool) -> Workload:
 def model_shape(cfg: Any) -> PlanShape:
     from omegaconf import OmegaConf
 
-    from ..models.build import hf_config, meta_model, pretrained_config
+    from ..models.build import hf_config, meta_model, pretrained_config, route_experts
 
     m = cfg.model
     if m.get("pretrained"):
         config = pretrained_config(m.pretrained, weights=False)
     else:  # plain containers: transformers' strict config fields refuse a DictConfig (rope_parameters)
         config = hf_config(OmegaConf.to_container(m.config, resolve=True) if OmegaConf.is_config(m.config) else dict(m.config))
-    return PlanShape.of(meta_model(config))
+    # the experts run as the run's would (CausalLM): whether they compile inside their blocks depends on it
+    return PlanShape.of(route_experts(meta_model(config), m.get("experts_implementation")))
 
 
 def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bool = True, **older: bool) -> Plan:
@@ -77,3 +80,59 @@ def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bo
     run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, tried=tried, **older)
     plan = make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
     return dataclasses.replace(plan, chosen=requested.chosen_with_placement if hw.accelerator == "cuda" else ())
+
+
+# data.batch_size as the packaged data configs leave it: the hardware profile's micro_batch
+PROFILE_MICRO_BATCH = "${hardware.micro_batch}"
+
+
+def moe_micro_batch(cfg: Any, shape: PlanShape | None = None) -> tuple[int, str] | None:
+    """The micro-batch the planner picks for a mixture of experts, and the line that says so; None where the pick
+    does not apply (a dense model, ``data.batch_size`` set by the user, accumulation, a plan for a CPU) or
+    keeps the hardware profile's micro-batch.
+
+    A token passes through a fraction of an MoE's block parameters, while the work per step (the host AdamW,
+    the device's update of what it holds, the copies) is on all of them: at the profile's micro-batch that work
+    takes a larger share of the step than for a dense model of the same size. The pick
+    (:func:`~megatrain_lightning.plan.experts.pick_micro_batch`): the smallest micro-batch whose planned
+    tokens/s is within 10% of the best the device holds up to 8x the profile's, each planned at the placement
+    the planner would choose for it.
+    """
+    from omegaconf import OmegaConf
+
+    data = cfg.get("data")
+    if data is None or _raw(data, "batch_size") != PROFILE_MICRO_BATCH or data.get("seq_len") is None:
+        return None
+    hw = resolve_hardware(cfg)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1) if cfg.get("trainer") is not None else 1
+    if hw.accelerator != "cuda" or accumulate != 1:
+        return None
+    shape = shape or model_shape(cfg)
+    if shape.active_fraction >= 1.0:
+        return None
+    base, seq = int(data.batch_size), int(data.seq_len)
+    trial = copy.deepcopy(cfg)
+
+    def tokens_per_s(mb: int) -> float | None:
+        trial.data.batch_size = mb
+        plan = plan_from_config(trial, shape=shape, refuse_device=False)
+        return None if plan.gpu_total > plan.gpu_available else mb * seq / plan.step_s
+
+    picked, rates = pick_micro_batch(tokens_per_s, base)
+    if picked == base:
+        return None
+    best = max(rates, key=rates.__getitem__)
+    model = str(OmegaConf.select(cfg, "model.name", default=None) or "the model")
+    return picked, (
+        f"data.batch_size={picked}: the planner's pick for {model}, a mixture of experts ({shape.active_fraction:.0%} of "
+        f"its block parameters active per token, the optimizer's work per step on all of them): {picked * seq:,} tokens "
+        f"per step, planned at {rates[picked]:,.0f} tokens/s against {rates[base]:,.0f} at hardware={hw.name}'s "
+        f"micro-batch of {base} (within {1 - PICK_FRACTION:.0%} of the best the device holds, {rates[best]:,.0f} at "
+        f"{best}). Set data.batch_size to choose it yourself")
+
+
+def _raw(node: Any, key: str) -> Any:
+    """``node[key]`` unresolved (an interpolation as written)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=False).get(key)

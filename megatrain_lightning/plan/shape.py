@@ -34,6 +34,10 @@ class PlanShape:
     # the blocks with routed experts): the routing's gathers, scatters and elementwise work scale with these
     # rows x hidden. 0: a dense model.
     routed_rows: int = 0
+    # Mixture of experts: whether every block's experts compile inside their block's graph when blocks compile
+    # (engine/compiled.inside_graphs: grouped GEMM experts without biases), the routing's gathers, casts and
+    # weighting fused with the rest; else they run eager between two graphs (GPT-OSS's, a user's loop).
+    routing_inside: bool = False
     # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
     # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
     mlp_params: int | None = None
@@ -75,6 +79,7 @@ class PlanShape:
         """Counts from a Hugging Face causal LM (the meta device is fine); the blocks are the ones
         MegaTrainStrategy would stream."""
         from ..blocks import find_blocks
+        from ..engine.compiled import experts_of, inside_graphs
         from ..models.chunked_mlp import folded_norm
         from ..models.model_shape import expert_share, is_expert_weight
 
@@ -104,6 +109,8 @@ class PlanShape:
             active_block_params=round(active) if share < 1.0 else None,
             routed_rows=(getattr(config, "num_experts_per_tok", 0) or 0) * sum(
                 any(is_expert_weight(n) for n, _ in b.named_parameters()) for b in blocks) if share < 1.0 else 0,
+            routing_inside=share < 1.0 and all(experts_of(b) and all(inside_graphs(e) for e in experts_of(b))
+                                               for b in blocks if any(is_expert_weight(n) for n, _ in b.named_parameters())),
             mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
             mlp_folds_norm=all(folded_norm(b) is not None for b in blocks),
         )

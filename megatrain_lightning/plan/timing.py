@@ -57,6 +57,13 @@ ATTENTION_EFFICIENCY = 0.55
 # layers at 28 x 2048 (a 1.42 s step against 0.71 s: 0.71 s over 5.6 G x 3.33, 3.8e-11). Both ran before that
 # day's stream-order fix, which changed when copies go home, not the device's work.
 ROUTED_SECONDS_PER_ELEMENT = 4.0e-11
+# The same for experts compiled inside their block's graph (``PlanShape.routing_inside``: grouped GEMM experts
+# without biases, blocks compiled), inductor fusing the gathers, casts and weighting with the norms and attention:
+# fit on Qwen3-30B-A3B cut to 10 layers, 8 x 2048, everything chosen by the strategy (H200, 2026-12-05,
+# recipes/results/2026-12-05-session20.md: 0.319 s/step, keep 9 of 10, every block updated on the device), the
+# step less this model's matmuls, attention and device update. GPT-OSS's experts (biases) stay eager between two
+# graphs and keep the rate above (its 7-layer run of the same day: 0.964 s measured, 0.893 s planned).
+ROUTED_SECONDS_PER_ELEMENT_INSIDE = 6.0e-12
 # DESIGN.md §2: pinned copies 55 GB/s in one direction, 49.5 GB/s each with both directions at once.
 BIDIRECTIONAL_FACTOR = 49.5 / 55
 # DESIGN.md §2: pageable copies 6.7 GB/s against 55 pinned (used when the pinned buffers exceed the budget).
@@ -104,7 +111,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     backward leaves undone run during the next forward instead of before it; pooled gradient buffers
     bound how many are left (the backward waits for a free buffer), so the forward can hide at most
     ``grad_buffers`` blocks' updates; but its first block waits for its own update, which starts only when
-    the backward ends (unless it runs on the device, ``update_on_device``). ``host_margin`` > 1 slows the host
+    the backward ends (unless it runs on the device, ``update_on_device``: what the device updates adds its update
+    to the backward's device time, at the profile's ``device_update_gparams_per_s``). ``host_margin`` > 1 slows the host
     AdamW by that factor (what a placement is chosen with: ``placement.HOST_MARGIN``).
     """
     w, e = run.work, run.engine
@@ -122,7 +130,8 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     fwd_flops = tokens * (2 * active + 2 * shape.head_params)
     bwd_flops = tokens * ((4 + 2 * recompute) * active + 4 * shape.head_params
                           + (2 * shape.mlp if w.mlp_chunked else 0))
-    routed = tokens * shape.routed_rows * shape.hidden * ROUTED_SECONDS_PER_ELEMENT  # one pass (0: dense)
+    per_row = ROUTED_SECONDS_PER_ELEMENT_INSIDE if shape.routing_inside and run.compiled() else ROUTED_SECONDS_PER_ELEMENT
+    routed = tokens * shape.routed_rows * shape.hidden * per_row  # one pass (0: dense)
     dev_fwd = fwd_flops / rate + tokens * attn / attn_rate + routed
     dev_bwd = bwd_flops / rate + tokens * (2 + recompute) * attn / attn_rate + (2 + recompute) * routed
     weight_b = 2 if run.compact else 4  # compact: the bf16 half of the masters travels as it is
@@ -134,6 +143,9 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     first = shape.block_params / layers  # the next forward's first block (and the size of any other)
     blocks_on_device = run.device_blocks(layers)  # the first and, beyond it, cached ones
     first_on_device = first * blocks_on_device
+    # Their update runs on the compute stream as their gradients land (the blocks') or after the backward (the part
+    # before the blocks): widen the bf16 gradients, the fused AdamW, cast the new weights into the slots.
+    dev_bwd += (on_device + first_on_device) / (hw.device_update_gparams_per_s * 1e9)
     h2d_fwd_first = (weight_b * (shape.block_params - first_on_device) + 4 * (shape.resident_params - on_device)) / link
     h2d_fwd = weight_b * shape.block_params * streamed / link
     # a streamed first block updated on the device: its recompute's weights come from its device masters

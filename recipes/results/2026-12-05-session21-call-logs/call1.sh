@@ -1,0 +1,44 @@
+#!/bin/bash
+# bash recipes/results/2026-12-05-session21-call-logs/call1.sh   (PART=1|2|3 BUDGET=570; carry .whl)
+# Prepared in session 21 for a later session (unrun: no device machine was lent). Issue 18 on an H200, image's
+# transformers, steps 4-7 timed (window 4), model TFLOPS on the active parameters:
+# PART=1: Qwen3-30B-A3B cut to 10 layers and GPT-OSS-20B cut to 7 with nothing set but hardware=auto: the planner
+#   picks the micro-batch (session 21: 13 and 11 rows planned on the H200 with its 126 GiB host; train.py logs the
+#   line "data.batch_size=N: the planner's pick ..."), then docs/moe.md's idle experts per step under the router
+#   loss (bf16, a GPT-OSS-like size) and the same with --coef 0 (the router loss's cost).
+# PART=2: the same two models at the profile's 4 x 2048 (data.batch_size=4): what the pick gains.
+# PART=3: Qwen3 at 8 x 2048 as it is against session 19's masters round trip (masters_home/sitecustomize.py): the
+#   speed of commit fed151e (a streamed first block reloaded from its device masters).
+set -u
+B=${BUDGET:-570}
+S19=recipes/results/2026-12-05-h100-session19-call-logs
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -1
+export PYTHONUNBUFFERED=1 MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo nvidia-h200 || echo nvidia-h100); echo $MACHINE
+export PYTHONPATH=/tmp/site:$PWD:$PWD/recipes
+Q=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=10" || echo "model.config.num_hidden_layers=5")
+G=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=7" || echo "model.config.num_hidden_layers=4")
+rm -rf outputs/bench
+RUN="trainer=sweep trainer.log_every_n_steps=1 +trainer.callbacks.throughput.skip_first=3 +trainer.callbacks.throughput.window=4 data=synthetic data.seq_len=2048 hardware=auto trainer.max_steps=7"
+bench() {  # name, overrides...
+  local name=$1; shift; local T0=$SECONDS LEFT=$((B - SECONDS))
+  [ $LEFT -gt 90 ] && timeout $((LEFT < 170 ? LEFT : 170)) python3 recipes/bench.py --timeout 165 --out $OUT/throughput --run "$*" > $OUT/$name.log 2>&1
+  echo "$name rc=$? $((SECONDS-T0)) s"
+}
+PART=${PART:-1}
+if [ $PART = 1 ]; then
+bench qwen3_picked "model=qwen3_30b_a3b $Q $RUN"
+bench gpt_oss_picked "model=gpt_oss_20b $G $RUN"
+T0=$SECONDS; LEFT=$((B - SECONDS)); MOE="--accelerator cuda --precision bf16-mixed --arch gpt_oss --hidden 2880 --layers 4 --experts 32 --top-k 4 --micro-batch 4 --seq-len 2048 --steps 10"
+[ $LEFT -gt 60 ] && timeout $((LEFT < 120 ? LEFT : 120)) python3 recipes/moe_router_loss.py $MOE > $OUT/moe_idle.log 2>&1; echo "moe idle experts rc=$? $((SECONDS-T0)) s"; grep "^{" $OUT/moe_idle.log | cut -c1-600
+T0=$SECONDS; LEFT=$((B - SECONDS))
+[ $LEFT -gt 60 ] && timeout $((LEFT < 100 ? LEFT : 100)) python3 recipes/moe_router_loss.py $MOE --coef 0 > $OUT/moe_no_router_loss.log 2>&1; echo "moe without router loss rc=$? $((SECONDS-T0)) s"; grep "^{" $OUT/moe_no_router_loss.log | cut -c1-600
+elif [ $PART = 2 ]; then
+bench qwen3_profile_batch "model=qwen3_30b_a3b $Q data.batch_size=4 $RUN"
+bench gpt_oss_profile_batch "model=gpt_oss_20b $G data.batch_size=4 $RUN"
+else
+bench qwen3_now "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
+PYTHONPATH=$PWD/$S19/masters_home:$PYTHONPATH bench qwen3_masters_home "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
+fi
+for d in outputs/bench/*/; do echo "== $d"; grep -o "model=[a-z0-9_]*" $d/.hydra/overrides.yaml 2>/dev/null | head -1; grep -h "planner's pick\|placement chosen\|Error\|compile failed" $d/output.log | cut -c1-400 | tail -3; python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1]))); print(' | '.join(f\"{r['step']} {float(r['TFLOPS']):.1f} {float(r['tokens/s']):.0f} {r.get('gpu_alloc_retries') or 0}\" for r in rows if r.get('TFLOPS')))" $d/logs/metrics.csv 2>&1 | tail -1; done
+cat $OUT/throughput.md 2>/dev/null | grep "^| 20" | cut -d'|' -f5,7,9-16 | cut -c1-300
+cp -r outputs/bench $OUT/bench_runs 2>/dev/null; rm -f $OUT/bench_runs/*/trace*; cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/call1_part$PART.tgz
