@@ -139,7 +139,7 @@ def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profile
     """GPT-OSS-20B cut to 7 layers on the H200: at the profile's 4 rows the update of all 6.9 B parameters is a
     large part of each step; the pick is the smallest micro-batch planned within 10% of the best the device holds
     (8 x 4 rows at most), said in one line. Not picked: a batch size the user set, a dense model, accumulation, a
-    plan for a CPU."""
+    plan for a CPU, a fine-tuning set."""
     from megatrain_lightning.plan.experts import PICK_FRACTION
     from megatrain_lightning.plan.from_config import model_shape, moe_micro_batch
 
@@ -165,6 +165,8 @@ def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profile
     for other in (["data.batch_size=4"], ["trainer.accumulate_grad_batches=2"], ["hardware=cpu"]):
         assert moe_micro_batch(_compose([*base, *other]), shape) is None, other
     assert moe_micro_batch(_compose(["model=qwen2_5_7b", "hardware=h200_126g", "data=synthetic"])) is None
+    finetune = _compose([*base[:3], "data=jsonl", "data.path=train.jsonl"])  # rows padded to max_length: left alone
+    assert str(finetune.data.batch_size) == "4" and moe_micro_batch(finetune, shape) is None
 
 
 def test_train_start_runs_at_the_picked_micro_batch(caplog: pytest.LogCaptureFixture) -> None:

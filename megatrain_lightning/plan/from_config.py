@@ -88,8 +88,9 @@ PROFILE_MICRO_BATCH = "${hardware.micro_batch}"
 
 def moe_micro_batch(cfg: Any, shape: PlanShape | None = None) -> tuple[int, str] | None:
     """The micro-batch the planner picks for a mixture of experts, and the line that says so; None where the pick
-    does not apply (a dense model, ``data.batch_size`` set by the user, accumulation, a plan for a CPU) or
-    keeps the hardware profile's micro-batch.
+    does not apply (a dense model, ``data.batch_size`` set by the user, data without a fixed ``seq_len`` (a
+    fine-tuning set: its batch size is part of its recipe), accumulation, a plan for a CPU) or keeps the hardware
+    profile's micro-batch.
 
     A token passes through a fraction of an MoE's block parameters, while the work per step (the host AdamW,
     the device's update of what it holds, the copies) is on all of them: at the profile's micro-batch that work
