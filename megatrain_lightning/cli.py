@@ -144,13 +144,9 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
     refusal, device warning), or the 16 B/param of a baseline. Returns the plan (MegaTrain) and the host
     bytes of training state it counts."""
     if _is_megatrain(cfg.strategy):
-        shape = from_config.model_shape(cfg)
-        plan = plan_from_config(cfg, shape=shape, refuse_device=False)  # refuses a host too small, one paragraph
-        picked = from_config.moe_micro_batch(cfg, shape)  # a mixture of experts left at the profile's micro-batch
-        if picked is not None:
-            cfg.data.batch_size = picked[0]
-            log.info("%s", picked[1])
-            plan = plan_from_config(cfg, shape=shape, refuse_device=False)
+        plan = from_config.planned_run(cfg, _overrides(), refuse_device=False)  # may pick an MoE's micro-batch
+        if plan.picked:
+            log.info("%s", plan.picked)
         if plan.chosen:
             # The strategy chooses the open fields itself, from its measured first step; only saved inputs
             # the streaming placement needs offloaded (it would not fit the device otherwise) are set here.
@@ -174,6 +170,13 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
                 log.warning(warning)
         return None, 0.0
     return None, check_baseline_host(model_name, num_params, hw)
+
+
+def _overrides() -> list[str]:
+    """The command line's overrides of this run (a multirun job's: its own), [] outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def machine() -> str:
@@ -346,7 +349,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _write_json(out_dir / "run_info.json", info)  # what was attempted, even if refused next
         plan, host_state_bytes = check_fits(cfg, hw, model_name, strategy_name, shape.total_params)
         info.update(host_state_gb=round(host_state_bytes / GB, 3),
-                    predicted_step_s=round(plan.step_s, 4) if plan is not None else None)
+                    predicted_step_s=round(plan.step_s, 4) if plan is not None else None,
+                    micro_batch_picked=int(cfg.data.batch_size) if plan is not None and plan.picked else None)
         _write_json(out_dir / "run_info.json", info)
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
         data.setup("fit")  # read and tokenise now: bad data fails here, not after the model is built

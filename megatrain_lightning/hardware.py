@@ -67,7 +67,7 @@ class HardwareProfile:
     seq_len: int
     pinned_budget_gb: float
     host_adam_gparams_per_s: float = 1.0  # unknown host: a conservative guess; profiles set their own
-    device_update_gparams_per_s: float = 30.0  # unknown GPU: a conservative guess; profiles set their own
+    device_update_gparams_per_s: float = 30.0  # a profile that does not say: a conservative guess; profiles set their own
 
 
 def measured_host_memory_gb() -> float:

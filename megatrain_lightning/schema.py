@@ -137,7 +137,7 @@ def _describe(annotation: Any) -> str:
 
 
 # conf/train.yaml's top-level keys (experiments set groups' keys and hydra's); `+key=...` adds any other silently
-ROOT_KEYS = ("model", "data", "hardware", "strategy", "trainer", "seed", "ckpt_path", "paths", "hydra")
+ROOT_KEYS = ("model", "data", "hardware", "strategy", "trainer", "seed", "ckpt_path", "pick_micro_batch", "paths", "hydra")
 
 
 def check_root(cfg: DictConfig) -> None:

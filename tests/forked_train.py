@@ -7,11 +7,12 @@ own address-space limit, runs train.py's Hydra entry point with its arguments in
 exits with the code the command would have exited with; its stdout and stderr go to files the test reads.
 
 CASES.json: {"cwd": dir, "address_space": bytes, "cases": {name: [arg, ...]}}; writes dir/NAME.out, NAME.err and
-NAME.rc (and NAME.s: seconds from the parent's start to the child's exit).
+NAME.rc (and NAME.s: seconds from the end of the shared imports to the child's exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
@@ -28,6 +29,7 @@ TRAIN = Path(__file__).resolve().parent.parent / "train.py"
 def child(cwd: Path, name: str, args: list[str], address_space: int) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     os.chdir(cwd)
+    sys.path[0] = str(TRAIN.parent)  # what `python train.py` puts first: the script's directory, not tests/
     for fd, suffix in ((1, "out"), (2, "err")):
         f = os.open(cwd / f"{name}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -36,12 +38,16 @@ def child(cwd: Path, name: str, args: list[str], address_space: int) -> int:
     try:
         runpy.run_path(str(TRAIN), run_name="__main__")  # as `python train.py` runs it; its imports are loaded
         return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except SystemExit as e:  # as the interpreter ends on it: an int is the code, anything else is printed, code 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except BaseException:  # what the interpreter would print for an uncaught exception, and its exit code
         traceback.print_exc()
         return 1
     finally:
+        atexit._run_exitfuncs()  # the interpreter's exit runs them (os._exit below would not)
         sys.stdout.flush()
         sys.stderr.flush()
 

@@ -141,7 +141,8 @@ def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profile
     (8 x 4 rows at most), said in one line. Not picked: a batch size the user set, a dense model, accumulation, a
     plan for a CPU, a fine-tuning set."""
     from megatrain_lightning.plan.experts import PICK_FRACTION
-    from megatrain_lightning.plan.from_config import model_shape, moe_micro_batch
+    from megatrain_lightning.plan.placement import HEADROOM
+    from megatrain_lightning.plan.from_config import PROFILE_MICRO_BATCH, _raw, model_shape, moe_micro_batch
 
     base = ["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "data=synthetic"]
     cfg = _compose(base)
@@ -149,11 +150,11 @@ def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profile
     picked = moe_micro_batch(cfg, shape)
     assert picked is not None
     mb, line = picked
-    assert cfg.data.batch_size == 4  # the config itself is left as it was: the caller applies the pick
+    assert _raw(cfg.data, "batch_size") == PROFILE_MICRO_BATCH  # the config is left as it was: the caller applies it
 
     def rate(batch: int) -> float:
         plan = plan_from_config(_compose([*base, f"data.batch_size={batch}"]), shape=shape, refuse_device=False)
-        assert plan.gpu_total <= plan.gpu_available
+        assert plan.gpu_total <= HEADROOM * plan.gpu_available  # every candidate fits with the placement's headroom
         return batch * 2048 / plan.step_s
 
     rates = {b: rate(b) for b in range(4, 33)}
@@ -161,25 +162,71 @@ def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profile
     assert rates[mb] >= PICK_FRACTION * best and all(rates[b] < PICK_FRACTION * best for b in range(4, mb))
     assert rates[mb] > 1.15 * rates[4]
     assert line.startswith(f"data.batch_size={mb}: the planner's pick for gpt_oss_20b, a mixture of experts (15% ")
-    assert f"{mb * 2048:,} tokens per step" in line and "Set data.batch_size to choose it yourself" in line
-    for other in (["data.batch_size=4"], ["trainer.accumulate_grad_batches=2"], ["hardware=cpu"]):
+    assert f"{mb * 2048:,} tokens per step" in line and "Set data.batch_size (or pick_micro_batch=false)" in line
+    for other in (["data.batch_size=4"], ["trainer.accumulate_grad_batches=2"], ["hardware=cpu"], ["pick_micro_batch=false"]):
         assert moe_micro_batch(_compose([*base, *other]), shape) is None, other
+    # the micro-batch set by hand, through the profile or as the profile's own interpolation, is left alone
+    for by_hand in (["hardware.micro_batch=2"], ["data.batch_size=${hardware.micro_batch}"]):
+        cfg = _compose([*base, *by_hand])
+        assert _raw(cfg.data, "batch_size") == PROFILE_MICRO_BATCH and moe_micro_batch(cfg, shape, base + by_hand) is None
+    assert moe_micro_batch(_compose(base), shape, base) is not None
     assert moe_micro_batch(_compose(["model=qwen2_5_7b", "hardware=h200_126g", "data=synthetic"])) is None
     finetune = _compose([*base[:3], "data=jsonl", "data.path=train.jsonl"])  # rows padded to max_length: left alone
     assert str(finetune.data.batch_size) == "4" and moe_micro_batch(finetune, shape) is None
 
 
 def test_train_start_runs_at_the_picked_micro_batch(caplog: pytest.LogCaptureFixture) -> None:
-    """train.py's fit check applies the pick to the config the data module is built from, and says so."""
+    """train.py's fit check applies the pick to the config the data module is built from and says so, in place of
+    the host-bound warning (which names a batch of its own); the planner's CLI prints the same line first."""
     from megatrain_lightning import cli
     from megatrain_lightning.hardware import resolve_hardware
 
-    cfg = _compose(["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "data=synthetic"])
+    base = ["model=gpt_oss_20b", "hardware=h200"]  # all 24 layers, the 1.5 TB host: host-bound at 4 rows
+    cfg = _compose([*base, "data=synthetic"])
     with caplog.at_level(logging.INFO, logger=cli.__name__):
         plan, _ = cli.check_fits(cfg, resolve_hardware(cfg), "gpt_oss_20b", "megatrain", 0)
-    assert cfg.data.batch_size > 4 and plan.run.work.micro_batch == cfg.data.batch_size
+    assert cfg.data.batch_size > 4 and plan.run.work.micro_batch == cfg.data.batch_size and plan.picked
     said = [r.getMessage() for r in caplog.records if r.name == cli.__name__]
     assert any(m.startswith(f"data.batch_size={cfg.data.batch_size}: the planner's pick") for m in said), said
+    assert not any("is a mixture of experts: a token passes" in m for m in said), said
+    held = _compose([*base, "data=synthetic", "data.batch_size=4"])
+    assert cli.check_fits(held, resolve_hardware(held), "gpt_oss_20b", "megatrain", 0)[0].moe_warning
+
+
+def test_train_reads_the_micro_batch_set_on_its_command_line() -> None:
+    """Under Hydra (train.py, a multirun job), the run's own overrides reach the pick: hardware.micro_batch=4 on the
+    command line is a micro-batch set by hand, though the config then reads as the profile's."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from megatrain_lightning import cli
+    from megatrain_lightning.conf_dir import config_dir
+    from megatrain_lightning.hardware import resolve_hardware
+
+    base = ["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "data=synthetic"]
+    for extra, picked in (([], True), (["hardware.micro_batch=4"], False)):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[*base, *extra], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            assert cli._overrides() == [*base, *extra]
+            with open_dict(cfg):
+                del cfg["hydra"]
+            plan, _ = cli.check_fits(cfg, resolve_hardware(cfg), "gpt_oss_20b", "megatrain", 0)
+        finally:
+            HydraConfig.instance().cfg = None
+        assert bool(plan.picked) is picked and (cfg.data.batch_size > 4) is picked
+
+
+def test_the_planner_cli_prints_the_pick(capsys: pytest.CaptureFixture) -> None:
+    from megatrain_lightning.plan.__main__ import main as plan_main
+
+    assert plan_main(["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("data.batch_size=11: the planner's pick for gpt_oss_20b") and "run: micro-batch 11 x seq 2048" in out
+    assert plan_main(["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "hardware.micro_batch=4"]) == 0
+    assert "run: micro-batch 4 x seq 2048" in capsys.readouterr().out
 
 
 def test_picking_stops_at_the_first_micro_batch_the_device_cannot_hold() -> None:
@@ -246,7 +293,7 @@ def test_plan_report_and_train_start_show_the_warning(gpt_oss_shape: PlanShape, 
     from megatrain_lightning.plan import format_plan
     from megatrain_lightning.plan import from_config
 
-    cfg = _gpt_oss([])
+    cfg = _gpt_oss(["data.batch_size=4"])  # set by hand: the planner picks no other
     report = format_plan(plan_from_config(cfg, shape=gpt_oss_shape))
     assert "\nwarning: gpt_oss_20b is a mixture of experts" in report
     assert "mixture of experts: 3.029 B of 19.756 B block params active per token" in report

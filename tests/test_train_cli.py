@@ -6,11 +6,13 @@ both; bad input must end in one clear line and a non-zero exit, never a tracebac
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -154,8 +156,14 @@ def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
             "cases": {f"case{i}": BAD_INPUT[name][0] for i, name in enumerate(names)}}
     (cwd / "cases.json").write_text(json.dumps(spec))
     started = time.perf_counter()
-    subprocess.run([sys.executable, str(Path(__file__).parent / "forked_train.py"), str(cwd / "cases.json")],
-                   check=True, timeout=300)
+    runner = subprocess.Popen([sys.executable, str(Path(__file__).parent / "forked_train.py"), str(cwd / "cases.json")],
+                              start_new_session=True)  # its forked cases share its process group
+    try:
+        assert runner.wait(timeout=300) == 0
+    finally:
+        if runner.poll() is None or any(not (cwd / f"case{i}.rc").exists() for i in range(len(names))):
+            with contextlib.suppress(ProcessLookupError):  # no case left running past a failed or timed-out runner
+                os.killpg(runner.pid, signal.SIGKILL)
     imported = time.perf_counter() - started - max(float((cwd / f"case{i}.s").read_text()) for i in range(len(names)))
     results = {}
     for i, name in enumerate(names):

@@ -1,8 +1,9 @@
 """``python -m megatrain_lightning.plan model=... hardware=... [key=value ...]``: print the plan.
 
 Composes the training config from the packaged ``conf/`` (as ``train.py`` would; ``data=synthetic`` unless
-a data option or an experiment is given, so ``data.batch_size`` and ``data.seq_len`` are the micro-batch shape) and prints
-the verdict and the table. Exit 2 with one paragraph when it does not fit or an override is wrong.
+a data option or an experiment is given, so ``data.batch_size`` and ``data.seq_len`` are the micro-batch shape; a
+mixture of experts left at the hardware profile's micro-batch gets the planner's pick, as train.py gives it) and
+prints the verdict and the table. Exit 2 with one paragraph when it does not fit or an override is wrong.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..conf_dir import config_dir
     from ..errors import ConfigError
-    from . import format_plan, plan_from_config
-    from .from_config import model_shape, moe_micro_batch
+    from . import format_plan
+    from .from_config import planned_run
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -29,13 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
-        shape = model_shape(cfg)
-        plan = plan_from_config(cfg, shape=shape)  # refuses a host too small first, as train.py does
-        picked = moe_micro_batch(cfg, shape)  # as train.py picks it
-        if picked is not None:
-            cfg.data.batch_size = picked[0]
-            print(picked[1])
-            plan = plan_from_config(cfg, shape=shape)
+        plan = planned_run(cfg, overrides)  # a mixture of experts: the micro-batch train.py would pick
         print(format_plan(plan))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -48,6 +48,7 @@ class Plan:
     chosen: tuple[str, ...] = ()  # placement fields the planner chose (plan/placement.py)
     longest: Any = None  # plan.context.Context: the longest sequence at this micro-batch, offloading what it must
     moe_warning: str | None = None  # a mixture of experts bound by host work (plan/experts.py)
+    picked: str | None = None  # the line saying the planner picked the micro-batch (from_config.planned_run)
 
     @property
     def tokens_per_s(self) -> float:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..hardware import resolve_hardware
 from .experts import PICK_FRACTION, pick_micro_batch
 from .fit import Plan, make_plan, resolve
-from .placement import choose_placement
+from .placement import HEADROOM, choose_placement
 from .run import Workload
 from .shape import PlanShape
 
@@ -82,31 +82,51 @@ def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bo
     return dataclasses.replace(plan, chosen=requested.chosen_with_placement if hw.accelerator == "cuda" else ())
 
 
+def planned_run(cfg: Any, overrides: Sequence[str] = (), refuse_device: bool = True) -> Plan:
+    """The plan of ``cfg`` as ``train.py`` runs it: a host too small refused first, then a mixture of experts left
+    at the profile's micro-batch given the planner's pick (:func:`moe_micro_batch`, written into
+    ``cfg.data.batch_size``; the plan's ``picked`` says so, and its host-bound warning, which named a larger batch
+    than the profile's, gives way to it). ``overrides``: the run's command-line overrides."""
+    shape = model_shape(cfg)
+    plan = plan_from_config(cfg, shape=shape, refuse_device=refuse_device)
+    picked = moe_micro_batch(cfg, shape, overrides)
+    if picked is None:
+        return plan
+    cfg.data.batch_size = picked[0]
+    return dataclasses.replace(plan_from_config(cfg, shape=shape, refuse_device=refuse_device),
+                               picked=picked[1], moe_warning=None)
+
+
 # data.batch_size as the packaged data configs leave it: the hardware profile's micro_batch
 PROFILE_MICRO_BATCH = "${hardware.micro_batch}"
+# Overrides that set the micro-batch by hand: the pick leaves it
+MICRO_BATCH_KEYS = ("data.batch_size", "hardware.micro_batch")
 
 
-def moe_micro_batch(cfg: Any, shape: PlanShape | None = None) -> tuple[int, str] | None:
+def moe_micro_batch(cfg: Any, shape: PlanShape | None = None, overrides: Sequence[str] = ()) -> tuple[int, str] | None:
     """The micro-batch the planner picks for a mixture of experts, and the line that says so; None where the pick
-    does not apply (a dense model, ``data.batch_size`` set by the user, data without a fixed ``seq_len`` (a
-    fine-tuning set: its batch size is part of its recipe), accumulation, a plan for a CPU) or keeps the hardware
-    profile's micro-batch.
+    does not apply or keeps the hardware profile's micro-batch. ``overrides``: the run's command-line overrides.
 
     A token passes through a fraction of an MoE's block parameters, while the work per step (the host AdamW,
     the device's update of what it holds, the copies) is on all of them: at the profile's micro-batch that work
     takes a larger share of the step than for a dense model of the same size. The pick
     (:func:`~megatrain_lightning.plan.experts.pick_micro_batch`): the smallest micro-batch whose planned
     tokens/s is within 10% of the best the device holds up to 8x the profile's, each planned at the placement
-    the planner would choose for it.
+    the planner would choose for it; a micro-batch above the profile's must fit within the placement's headroom.
+
+    Not picked: a dense model; ``pick_micro_batch=false``; ``data.batch_size`` or ``hardware.micro_batch`` set
+    (in the config or in ``overrides``); data without a fixed ``seq_len`` (a fine-tuning set: its batch size is
+    part of its recipe); accumulation; a plan for a CPU.
     """
     from omegaconf import OmegaConf
 
     data = cfg.get("data")
-    if data is None or _raw(data, "batch_size") != PROFILE_MICRO_BATCH or data.get("seq_len") is None:
+    if (not cfg.get("pick_micro_batch", True) or data is None or data.get("seq_len") is None
+            or _raw(data, "batch_size") != PROFILE_MICRO_BATCH
+            or any(_key(o) in MICRO_BATCH_KEYS for o in overrides)):
         return None
     hw = resolve_hardware(cfg)
-    accumulate = int(cfg.trainer.get("accumulate_grad_batches") or 1) if cfg.get("trainer") is not None else 1
-    if hw.accelerator != "cuda" or accumulate != 1:
+    if hw.accelerator != "cuda" or int(cfg.trainer.get("accumulate_grad_batches") or 1) != 1:
         return None
     shape = shape or model_shape(cfg)
     if shape.active_fraction >= 1.0:
@@ -116,8 +136,12 @@ def moe_micro_batch(cfg: Any, shape: PlanShape | None = None) -> tuple[int, str]
 
     def tokens_per_s(mb: int) -> float | None:
         trial.data.batch_size = mb
-        plan = plan_from_config(trial, shape=shape, refuse_device=False)
-        return None if plan.gpu_total > plan.gpu_available else mb * seq / plan.step_s
+        try:
+            plan = plan_from_config(trial, shape=shape, refuse_device=False)
+        except ConfigError:  # e.g. the host refuses a larger micro-batch's buffers: it does not fit
+            return None
+        room = plan.gpu_available * (1.0 if mb == base else HEADROOM)
+        return None if plan.gpu_total > room else mb * seq / plan.step_s
 
     picked, rates = pick_micro_batch(tokens_per_s, base)
     if picked == base:
@@ -129,7 +153,7 @@ def moe_micro_batch(cfg: Any, shape: PlanShape | None = None) -> tuple[int, str]
         f"its block parameters active per token, the optimizer's work per step on all of them): {picked * seq:,} tokens "
         f"per step, planned at {rates[picked]:,.0f} tokens/s against {rates[base]:,.0f} at hardware={hw.name}'s "
         f"micro-batch of {base} (within {1 - PICK_FRACTION:.0%} of the best the device holds, {rates[best]:,.0f} at "
-        f"{best}). Set data.batch_size to choose it yourself")
+        f"{best}). Set data.batch_size (or pick_micro_batch=false) to choose it yourself")
 
 
 def _raw(node: Any, key: str) -> Any:
@@ -137,3 +161,8 @@ def _raw(node: Any, key: str) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=False).get(key)
+
+
+def _key(override: str) -> str:
+    """The key a command-line override sets (``+a.b=1``, ``~a.b``, ``a.b=1`` -> ``a.b``)."""
+    return override.lstrip("+~").split("=", 1)[0]

@@ -26,6 +26,7 @@ def format_plan(plan: Plan) -> str:
     compiled = plan.run.compiled()
     n = s.total_params
     lines = [
+        *([plan.picked, ""] if plan.picked else []),
         verdict(plan),
         "",
         *([f"warning: {plan.moe_warning}", ""] if plan.moe_warning else []),
