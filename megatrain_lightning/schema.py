@@ -141,8 +141,8 @@ ROOT_KEYS = ("model", "data", "hardware", "strategy", "trainer", "seed", "ckpt_p
 
 
 def check_root(cfg: DictConfig) -> None:
-    """Refuse a top-level key train.py does not read (``+ckpt_paht=...`` would otherwise be ignored) and a seed
-    that is not an integer."""
+    """Refuse a top-level key train.py does not read (``+ckpt_paht=...`` would otherwise be ignored), a seed
+    that is not an integer and a ``pick_micro_batch`` that is not a boolean."""
     for key in cfg:
         if key not in ROOT_KEYS:
             close = difflib.get_close_matches(str(key), ROOT_KEYS, n=1)
@@ -152,6 +152,10 @@ def check_root(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"seed={seed!r}: expected an integer, e.g. seed=0")
+    pick = cfg.get("pick_micro_batch", True)
+    if not isinstance(pick, bool):
+        raise ConfigError(f"pick_micro_batch={pick!r}: expected true or false (false: a mixture of experts keeps the "
+                          "hardware profile's micro-batch)")
 
 
 def check_config(cfg: DictConfig, groups: tuple[str, ...] = ("hardware", "trainer", "data", "model", "strategy")) -> None:

@@ -129,6 +129,7 @@ BAD_INPUT = {
     "missing resume checkpoint": (["ckpt_path=/nonexistent/last.ckpt"],
                                   ["error: ckpt_path=/nonexistent/last.ckpt does not exist", "checkpoints/last.ckpt"]),
     "seed not a number": (["seed=abc"], ["error: seed='abc': expected an integer"]),
+    "pick_micro_batch not a boolean": (["pick_micro_batch=maybe"], ["error: pick_micro_batch='maybe': expected true or false"]),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],
         ["error: model=qwen2_5_72b (72.71 B parameters) needs", "899.5 GB of host memory", "hardware=cpu has 32 GB"],
