@@ -28,7 +28,7 @@ from torch import nn
 from .config import PLACEMENT_FIELDS, EngineConfig
 from .engine.compiled import COMPILED_MATMULS_RATIO
 from .engine.device_update import device_moment_bytes
-from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio
+from .plan.measured import Measured, after_out_of_memory, back_off, by_measurement, by_planner, matmuls_ratio, moe_warning
 from .plan.memory import GB
 from .plan.placement import HEADROOM
 from .plan.run import Workload
@@ -67,13 +67,16 @@ class AutoPlacement:
         loss_chunk_tokens, mlp_chunk_tokens: the module's chunking (``models.CausalLM``), for the planner.
         hardware: returns the machine's profile (``hardware.detect``), called once when choosing.
         say: where each decision's one line goes (the strategy: Lightning's rank-zero info log).
+        warn: where a warning goes (a mixture of experts bound by host work on the placement chosen; the
+            strategy: Lightning's rank-zero warning).
     """
 
     def __init__(self, engine: Any, requested: EngineConfig, shape: PlanShape | None, accumulate: int, clip: bool,
                  hardware: Callable[[], Any], loss_chunk_tokens: int | None = None,
-                 mlp_chunk_tokens: int | None = None, say: Callable[[str], None] = log.info) -> None:
+                 mlp_chunk_tokens: int | None = None, say: Callable[[str], None] = log.info,
+                 warn: Callable[[str], None] = log.warning) -> None:
         self.engine = engine
-        self.say = say
+        self.say, self.warn = say, warn
         self.lines: list[str] = []  # every line said, in order (also in summary())
         self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
         self.unset = requested.chosen_with_placement  # the placement fields left open, and update_on_device
@@ -150,7 +153,12 @@ class AutoPlacement:
         if self.shape is not None and step.tokens:
             work = Workload(micro_batch=step.batch, seq_len=step.seq, accumulate=self.accumulate,
                             bf16=engine.compute_dtype == torch.bfloat16, clip=self.clip, **self.chunks)
-            chosen, predicted = by_planner(m, self.requested, self.shape, work, self.hardware())
+            hw = self.hardware()
+            chosen, predicted = by_planner(m, self.requested, self.shape, work, hw)
+            warning = moe_warning(m, chosen, self.shape, work, hw)
+            if warning:
+                self.lines.append(f"warning: {warning}")
+                self.warn(warning)
         else:
             chosen = by_measurement(m, self.requested)
         why = (f"chosen from the first step (streaming: peak {step.peak / GB:.1f} GB, a kept block's activations "

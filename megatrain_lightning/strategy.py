@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -306,7 +306,8 @@ class MegaTrainStrategy(ParallelStrategy):
                                            accumulate=trainer.accumulate_grad_batches,
                                            clip=bool(trainer.gradient_clip_val), hardware=detect,
                                            loss_chunk_tokens=hparams.get("loss_chunk_tokens"),
-                                           mlp_chunk_tokens=hparams.get("mlp_chunk_tokens"), say=rank_zero_info)
+                                           mlp_chunk_tokens=hparams.get("mlp_chunk_tokens"), say=rank_zero_info,
+                                           warn=rank_zero_warn)
         precision.placement = self.placement
         self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
         for wrapper in self._lightning_optimizers:

@@ -334,3 +334,65 @@ def test_accumulation_that_hides_the_host_update_but_overfills_the_host_says_so(
     assert plan.moe_warning is not None
     assert "trainer.accumulate_grad_batches=" in plan.moe_warning and "host_state=compact" in plan.moe_warning
     assert "1,898 GB of host memory, over hardware=h200_1.5tb's 1,500 GB" in plan.moe_warning
+
+
+def test_a_lightning_user_is_warned_in_their_own_words_when_the_placement_leaves_a_moe_host_bound(
+        gpt_oss_shape: PlanShape) -> None:
+    """Trainer(strategy="megatrain") on a mixture of experts: the automatic placement, choosing from the measured
+    first step, warns where the step it chose is bound by host work, naming the batch size and the Trainer and
+    EngineConfig arguments (not train.py's keys); a dense model's and a compute-bound step's choice says nothing."""
+    from megatrain_lightning.hardware import load_profile
+    from megatrain_lightning.plan.measured import Measured, by_planner, moe_warning
+
+    hw = load_profile("h200")
+    m = Measured(peak=40 * GB_, kept_graph=5 * GB_, block_weights=1.6 * GB_, budget=120 * GB_, layers=24,
+                 device_moments=10 * GB_, device_block_moments=10 * GB_, matmuls_ratio=0.43)
+    work = Workload(micro_batch=4, seq_len=2048, bf16=True, loss_chunk_tokens=4096)
+    requested = EngineConfig()
+    chosen, _ = by_planner(m, requested, gpt_oss_shape, work, hw)
+    warning = moe_warning(m, chosen, gpt_oss_shape, work, hw)
+    assert warning is not None and warning.startswith("the model is a mixture of experts: a token passes through 15%")
+    assert "At a batch_size of " in warning and "data.batch_size" not in warning and "strategy.engine" not in warning
+    dense = dataclasses.replace(gpt_oss_shape, active_block_params=None)
+    assert moe_warning(m, by_planner(m, requested, dense, work, hw)[0], dense, work, hw) is None
+    big = dataclasses.replace(work, micro_batch=64)  # enough tokens per step: compute-bound, nothing said
+    assert moe_warning(m, by_planner(m, requested, gpt_oss_shape, big, hw)[0], gpt_oss_shape, big, hw) is None
+
+
+def test_the_automatic_placement_hands_its_warning_to_the_strategys_warn() -> None:
+    """AutoPlacement on a tiny GPT-OSS under a real Trainer (wired as the strategy wires it on a GPU, with the
+    measurements a GPU would give), a host whose AdamW is slow enough to bind the step: the warning goes to
+    ``warn`` once and into the placement's log."""
+    from conftest import fit, megatrain
+    from zoo import TinyGptOss
+
+    import lightning.pytorch as pl
+
+    from megatrain_lightning.auto_placement import AutoPlacement, plan_shape
+    from megatrain_lightning.engine.device_memory import StepMemory
+    from megatrain_lightning.hardware import load_profile
+
+    warned: list[str] = []
+    slow = dataclasses.replace(load_profile("h200"), host_adam_gparams_per_s=1e-7)
+
+    class Wire(pl.Callback):
+        megatrain_reads_weights = False
+
+        def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            strategy = trainer.strategy
+            strategy.engine.meter.usable_bytes = 100 * GB_
+            strategy.placement = AutoPlacement(strategy.engine, strategy.config, plan_shape(module), 1, False,
+                                               lambda: slow, warn=warned.append)
+            strategy.precision_plugin.placement = strategy.placement
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module, outputs, batch, batch_idx: int) -> None:
+            placement = trainer.strategy.placement
+            if placement.phase != "done":
+                trainer.strategy.engine.meter.measured = StepMemory(peak=1 * GB_, kept_graph=0.1 * GB_, batch=4, seq=24)
+
+    got = fit(lambda: TinyGptOss(experts_implementation="grouped_mm_gather"), megatrain(), max_steps=3, callbacks=[Wire()])
+    assert len(warned) == 1 and "is a mixture of experts" in warned[0] and "bound by the host optimizer" in warned[0]
+    assert f"warning: {warned[0]}" in got.trainer.strategy.placement_summary["log"]
+
+
+GB_ = 1e9

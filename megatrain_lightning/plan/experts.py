@@ -18,6 +18,7 @@ parameter (the host AdamW, the device's update of what it holds, the copies) is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from ..hardware import HardwareProfile
@@ -29,8 +30,29 @@ from .timing import bottleneck, step_times
 COPIES = ("host->device copies", "device->host copies")
 
 
+@dataclass(frozen=True)
+class Words:
+    """How a warning names what to set: train.py's config keys (:data:`TRAIN_PY`) or, said by the strategy at a
+    run's start, a Lightning user's own arguments (:data:`LIGHTNING`). Each is formatted with ``n``."""
+
+    batch: str = "data.batch_size={n}"
+    seq: str = "data.seq_len={n}"
+    accumulate: str = "trainer.accumulate_grad_batches={n}"
+    compact: str = "strategy.engine.host_state=compact"
+    placement: str = "strategy.engine.cache_weights or keep_activations"
+    host: str = "hardware={n}'s"
+    same_length: str = "at this seq_len"
+
+
+TRAIN_PY = Words()
+LIGHTNING = Words(batch="a batch_size of {n}", seq="{n} tokens per row", accumulate="Trainer(accumulate_grad_batches={n})",
+                  compact='EngineConfig(host_state="compact")', placement="EngineConfig's cache_weights or keep_activations",
+                  host="the host's ({n} profile)", same_length="at this sequence length")
+
+
 def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: dict[str, float],
-                       max_micro_batch: int, pinned_ok: bool = True, model: str = "the model") -> str | None:
+                       max_micro_batch: int, pinned_ok: bool = True, model: str = "the model",
+                       words: Words = TRAIN_PY) -> str | None:
     """A warning when a mixture of experts (``shape.active_fraction < 1``) is bound by the host optimizer or
     the link rather than device compute, naming the ratio, the resource and the tokens per step that would
     hide it; None otherwise.
@@ -39,7 +61,7 @@ def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: d
     compute covers the copies and the host update, where the device holds it; else the largest the device
     holds, and the accumulation that covers the host update (each further micro-batch adds one host
     accumulation, 12 of AdamW's 28 B/param), with what stays exposed (copies the device cannot hold the
-    micro-batch to hide, host memory that accumulation's own fp32 accumulators would need).
+    micro-batch to hide, host memory that accumulation's own fp32 accumulators would need), in ``words``.
     """
     busy = bottleneck(times)
     if shape.active_fraction >= 1.0 or busy == "compute":
@@ -61,27 +83,27 @@ def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: d
     both = _smallest(w.micro_batch, lambda mb: hidden(mb, w.accumulate, everything))
     if both is not None and both <= holds:
         return head + (f"About {both * w.seq_len * w.accumulate:,} tokens per step would hide the host work: "
-                       f"data.batch_size={both} at data.seq_len={w.seq_len}")
+                       f"{words.batch.format(n=both)} at {words.seq.format(n=w.seq_len)}")
     copies = _smallest(w.micro_batch, lambda mb: hidden(mb, w.accumulate, COPIES))
     micro_batch = holds if copies is None else min(copies, holds)
     accumulate = _smallest(w.accumulate, lambda a: hidden(micro_batch, a, ("host optimizer",)), limit=1 << 16)
     if accumulate is None:
-        out = head + f"At data.batch_size={micro_batch} no accumulation hides the host update"
+        out = head + f"At {words.batch.format(n=micro_batch)} no accumulation hides the host update"
     else:
         out = head + (f"About {micro_batch * w.seq_len * accumulate:,} tokens per step would hide the host update: "
-                      f"data.batch_size={micro_batch} at data.seq_len={w.seq_len} with "
-                      f"trainer.accumulate_grad_batches={accumulate} (the copies are paid per micro-batch, the "
+                      f"{words.batch.format(n=micro_batch)} at {words.seq.format(n=w.seq_len)} with "
+                      f"{words.accumulate.format(n=accumulate)} (the copies are paid per micro-batch, the "
                       f"host update per step)")
         longer = run.replace(micro_batch=micro_batch, accumulate=accumulate)
         need, have = sum(host_bytes(shape, longer).values()), hw.host_memory_gb * GB
         if accumulate > 1 and need > have:
             out += (f"; but accumulating keeps an fp32 gradient accumulator per parameter: {need / GB:,.0f} GB of "
-                    f"host memory, over hardware={hw.name}'s {have / GB:,.0f} GB (strategy.engine.host_state=compact "
+                    f"host memory, over {words.host.format(n=hw.name)} {have / GB:,.0f} GB ({words.compact} "
                     f"needs less)")
     if copies is None or copies > holds:
-        out += (f"; the copies stay exposed: the device holds at most data.batch_size={holds} at this seq_len"
+        out += (f"; the copies stay exposed: the device holds at most {words.batch.format(n=holds)} {words.same_length}"
                 + (f", hiding them takes {copies}" if copies is not None else "")
-                + " (strategy.engine.cache_weights or keep_activations cut them)")
+                + f" ({words.placement} cut them)")
     return out
 
 

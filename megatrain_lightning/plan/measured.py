@@ -32,8 +32,9 @@ from typing import Callable
 
 from ..config import EngineConfig
 from ..hardware import HardwareProfile
-from .fit import resolve
-from .memory import block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
+from .experts import LIGHTNING, host_bound_warning
+from .fit import largest_micro_batch, resolve
+from .memory import GB, block_activations_per_token, gpu_bytes, gpu_peak, kept_matmul_outputs_per_token
 from .placement import HEADROOM, HOST_MARGIN, choose_placement
 from .run import Workload, device_blocks
 from .shape import PlanShape
@@ -135,6 +136,17 @@ def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shap
     runs = [resolve(shape, work, e, hw) for e in options]
     _, best = min((step_times(shape, r, hw, host_margin=HOST_MARGIN)["step"], i) for i, r in enumerate(runs))
     return options[best], step_times(shape, runs[best], hw)["step"]  # chosen with the margin, predicted without
+
+
+def moe_warning(m: Measured, chosen: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile) -> str | None:
+    """A mixture of experts bound by the host or the link on the placement chosen from the measured step: the
+    planner's warning (``experts.host_bound_warning``), in a Lightning user's words, with the largest micro-batch
+    the measured budget holds; None for a dense model or a compute-bound step."""
+    if shape.active_fraction >= 1.0:
+        return None
+    run = resolve(shape, work, chosen, hw)
+    holds = largest_micro_batch(shape, run, m.budget, host_available=hw.host_memory_gb * GB)
+    return host_bound_warning(shape, run, hw, step_times(shape, run, hw), holds, words=LIGHTNING)
 
 
 def matmuls_ratio(shape: PlanShape) -> float:
