@@ -11,7 +11,8 @@ One phase per micro-batch; between two of them the engine is settled, and a new 
   same way before the next micro-batch.
 * ``done``: a tried placement that fit; it stays for the run.
 
-Each change is one log line: the placement, why, and (with the model's shapes) the predicted step time.
+Each change is one log line: the placement, why, and (with the model's shapes) the predicted step time; a mixture of
+experts the chosen placement leaves bound by host work gets the planner's warning once after it (``warn``).
 Lightning-free: the strategy calls :meth:`before_micro_batch` before each training micro-batch.
 """
 
@@ -68,15 +69,16 @@ class AutoPlacement:
         hardware: returns the machine's profile (``hardware.detect``), called once when choosing.
         say: where each decision's one line goes (the strategy: Lightning's rank-zero info log).
         warn: where a warning goes (a mixture of experts bound by host work on the placement chosen; the
-            strategy: Lightning's rank-zero warning).
+            strategy: its ``host_bound_warning``).
+        model: the module's name, in that warning.
     """
 
     def __init__(self, engine: Any, requested: EngineConfig, shape: PlanShape | None, accumulate: int, clip: bool,
                  hardware: Callable[[], Any], loss_chunk_tokens: int | None = None,
                  mlp_chunk_tokens: int | None = None, say: Callable[[str], None] = log.info,
-                 warn: Callable[[str], None] = log.warning) -> None:
+                 warn: Callable[[str], None] = log.warning, model: str = "The model") -> None:
         self.engine = engine
-        self.say, self.warn = say, warn
+        self.say, self.warn, self.model = say, warn, model
         self.lines: list[str] = []  # every line said, in order (also in summary())
         self.chunks = dict(loss_chunk_tokens=loss_chunk_tokens, mlp_chunk_tokens=mlp_chunk_tokens)
         self.unset = requested.chosen_with_placement  # the placement fields left open, and update_on_device
@@ -155,16 +157,27 @@ class AutoPlacement:
                             bf16=engine.compute_dtype == torch.bfloat16, clip=self.clip, **self.chunks)
             hw = self.hardware()
             chosen, predicted = by_planner(m, self.requested, self.shape, work, hw)
-            warning = moe_warning(m, chosen, self.shape, work, hw)
-            if warning:
-                self.lines.append(f"warning: {warning}")
-                self.warn(warning)
         else:
             chosen = by_measurement(m, self.requested)
         why = (f"chosen from the first step (streaming: peak {step.peak / GB:.1f} GB, a kept block's activations "
                f"{step.kept_graph / GB:.2f} GB at {step.tokens} tokens; budget {m.budget / GB:.1f} GB)")
         self.predicted = predicted
         self._take(chosen, why, predicted)
+        if predicted is not None:
+            self._warn_if_host_bound(m, chosen, work, hw)
+
+    def _warn_if_host_bound(self, m: Measured, chosen: EngineConfig, work: Workload, hw: Any) -> None:
+        """A mixture of experts bound by host work on ``chosen``: the planner's warning, once (advice only: a
+        failure to work it out is logged, never raised into the fit)."""
+        assert self.shape is not None
+        try:
+            warning = moe_warning(m, self.requested, chosen, self.shape, work, hw, model=self.model)
+        except Exception as err:  # noqa: BLE001 (the fit goes on without the advice)
+            log.debug("no host-bound warning for %s: %s", self.model, err)
+            return
+        if warning:
+            self.lines.append(f"warning: {warning}")
+            self.warn(warning)
 
     def _moments(self, blocks: int) -> float:
         """The device bytes the updates on the device will take from the first overlapped step on with ``blocks``

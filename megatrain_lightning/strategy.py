@@ -25,6 +25,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -71,6 +72,10 @@ class MegaTrainStrategy(ParallelStrategy):
             (one ``torch.save`` file when small, a directory of checksummed safetensors shards when large;
             written atomically, verified at load; docs/checkpoints.md). Its ``tidy`` runs at setup on each
             ModelCheckpoint directory, removing what a hard kill of an earlier run left there.
+        host_bound_warning: on a mixture of experts whose placement the strategy chooses, warn once (after the
+            first micro-batch, as a ``PossibleUserWarning``) when the planner puts the chosen placement's step
+            bound by the host optimizer or the link, naming the batch size or accumulation that would hide it.
+            ``train.py`` turns it off: its plan already warned, or picked the micro-batch, at the start.
         accelerator, precision_plugin: as for any Lightning strategy; a precision plugin
             chosen by ``Trainer(precision=...)`` is converted to :class:`MegaTrainPrecision`.
 
@@ -93,6 +98,7 @@ class MegaTrainStrategy(ParallelStrategy):
         device: _DEVICE | None = None,
         meta_init: bool = True,
         skip_nonfinite: int = 0,
+        host_bound_warning: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -109,6 +115,7 @@ class MegaTrainStrategy(ParallelStrategy):
         if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
             raise ValueError(f"skip_nonfinite={skip_nonfinite!r}: a number of consecutive steps, >= 0 (0: off)")
         self.skip_nonfinite = skip_nonfinite
+        self.host_bound_warning = host_bound_warning
         self._torn: str | None = None  # why the module holds a mix of two steps (an exception mid-step)
         # id() of the exception last handled by _abort (not the exception: its traceback would keep the failed
         # step's frames, and the device tensors they hold, alive)
@@ -307,7 +314,7 @@ class MegaTrainStrategy(ParallelStrategy):
                                            clip=bool(trainer.gradient_clip_val), hardware=detect,
                                            loss_chunk_tokens=hparams.get("loss_chunk_tokens"),
                                            mlp_chunk_tokens=hparams.get("mlp_chunk_tokens"), say=rank_zero_info,
-                                           warn=rank_zero_warn)
+                                           warn=self._warn_host_bound, model=type(module).__name__)
         precision.placement = self.placement
         self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
         for wrapper in self._lightning_optimizers:
@@ -366,6 +373,11 @@ class MegaTrainStrategy(ParallelStrategy):
             dirpath = getattr(cb, "dirpath", None)
             if dirpath and "://" not in str(dirpath):
                 tidy(dirpath)
+
+    def _warn_host_bound(self, warning: str) -> None:
+        """The automatic placement's warning that a mixture of experts is bound by host work (``host_bound_warning``)."""
+        if self.host_bound_warning:
+            rank_zero_warn(warning, category=PossibleUserWarning)
 
     def _weights_written(self) -> None:
         if self.engine is not None:

@@ -13,7 +13,7 @@ from megatrain_lightning.hardware import HardwareProfile
 from megatrain_lightning.models.model_shape import ModelShape
 from megatrain_lightning.plan.timing import (HOST_ADAM_IN_STEP, ROUTED_SECONDS_PER_ELEMENT, ROUTED_SECONDS_PER_ELEMENT_INSIDE,
                                              matmul_efficiency)
-from megatrain_lightning.plan import PlanShape, Run, Workload, make_plan, plan_from_config
+from megatrain_lightning.plan import GB, PlanShape, Run, Workload, make_plan, plan_from_config
 
 # 2 blocks of 300 params, 400 resident, widths small enough to add by hand (as tests/test_planner.py).
 SHAPE = PlanShape(total_params=1000, block_params=600, largest_block=300, resident_params=400, head_params=200,
@@ -310,8 +310,8 @@ def test_a_moe_too_sparse_for_the_device_names_what_stays_exposed() -> None:
     said."""
     a100 = plan_from_config(_gpt_oss(["hardware=a100_pcie", "model.config.num_hidden_layers=4"], model="gpt_oss_120b"))
     assert a100.moe_warning is not None
-    assert "the copies stay exposed: the device holds at most data.batch_size=35 at this seq_len, hiding them takes 50" \
-        in a100.moe_warning
+    assert ("the copies stay exposed: the device holds at most data.batch_size=35 at this seq_len, hiding them takes "
+            "data.batch_size=50") in a100.moe_warning
     gh200 = plan_from_config(_gpt_oss(["hardware=gh200", "model.config.num_hidden_layers=10"], model="gpt_oss_120b"))
     assert gh200.moe_warning is not None
     assert "At data.batch_size=8 no accumulation hides the host update" in gh200.moe_warning
@@ -339,40 +339,96 @@ def test_accumulation_that_hides_the_host_update_but_overfills_the_host_says_so(
 def test_a_lightning_user_is_warned_in_their_own_words_when_the_placement_leaves_a_moe_host_bound(
         gpt_oss_shape: PlanShape) -> None:
     """Trainer(strategy="megatrain") on a mixture of experts: the automatic placement, choosing from the measured
-    first step, warns where the step it chose is bound by host work, naming the batch size and the Trainer and
-    EngineConfig arguments (not train.py's keys); a dense model's and a compute-bound step's choice says nothing."""
+    first step, warns where the step it chose is bound by host work; a dense model's and a compute-bound step's
+    choice says nothing."""
     from megatrain_lightning.hardware import load_profile
     from megatrain_lightning.plan.measured import Measured, by_planner, moe_warning
 
     hw = load_profile("h200")
-    m = Measured(peak=40 * GB_, kept_graph=5 * GB_, block_weights=1.6 * GB_, budget=120 * GB_, layers=24,
-                 device_moments=10 * GB_, device_block_moments=10 * GB_, matmuls_ratio=0.43)
+    m = Measured(peak=40 * GB, kept_graph=5 * GB, block_weights=1.6 * GB, budget=120 * GB, layers=24,
+                 device_moments=10 * GB, device_block_moments=10 * GB, matmuls_ratio=0.43)
     work = Workload(micro_batch=4, seq_len=2048, bf16=True, loss_chunk_tokens=4096)
     requested = EngineConfig()
     chosen, _ = by_planner(m, requested, gpt_oss_shape, work, hw)
-    warning = moe_warning(m, chosen, gpt_oss_shape, work, hw)
-    assert warning is not None and warning.startswith("the model is a mixture of experts: a token passes through 15%")
-    assert "At a batch_size of " in warning and "data.batch_size" not in warning and "strategy.engine" not in warning
+    warning = moe_warning(m, requested, chosen, gpt_oss_shape, work, hw, model="GptOssModule")
+    assert warning is not None and warning.startswith("GptOssModule is a mixture of experts: a token passes through 15%")
+    assert "bound by the host optimizer" in warning
     dense = dataclasses.replace(gpt_oss_shape, active_block_params=None)
-    assert moe_warning(m, by_planner(m, requested, dense, work, hw)[0], dense, work, hw) is None
+    assert moe_warning(m, requested, by_planner(m, requested, dense, work, hw)[0], dense, work, hw) is None
     big = dataclasses.replace(work, micro_batch=64)  # enough tokens per step: compute-bound, nothing said
-    assert moe_warning(m, by_planner(m, requested, gpt_oss_shape, big, hw)[0], gpt_oss_shape, big, hw) is None
+    assert moe_warning(m, requested, by_planner(m, requested, gpt_oss_shape, big, hw)[0], gpt_oss_shape, big, hw) is None
 
 
-def test_the_automatic_placement_hands_its_warning_to_the_strategys_warn() -> None:
-    """AutoPlacement on a tiny GPT-OSS under a real Trainer (wired as the strategy wires it on a GPU, with the
-    measurements a GPU would give), a host whose AdamW is slow enough to bind the step: the warning goes to
-    ``warn`` once and into the placement's log."""
+@pytest.mark.parametrize("case", ["hides at a larger batch", "no accumulation hides it", "accumulation overfills the host",
+                                  "copies stay exposed"])
+def test_the_warning_in_a_lightning_users_words_names_none_of_train_pys_keys(case: str, gpt_oss_shape: PlanShape) -> None:
+    """Every branch of the host-bound warning, in LIGHTNING words: a batch size, Trainer and EngineConfig arguments,
+    never train.py's config keys; the same plans in train.py's words name those keys."""
+    import re
+
+    from megatrain_lightning.plan.experts import LIGHTNING, host_bound_warning
+
+    overrides, model, expect = {
+        "hides at a larger batch": ([], "gpt_oss_20b", "tokens per step would hide the host work: a batch_size of 38 at "
+                                                        "2048 tokens per row"),
+        "no accumulation hides it": (["hardware=gh200", "model.config.num_hidden_layers=10"], "gpt_oss_120b",
+                                     "At a batch_size of 8 no accumulation hides the host update"),
+        "accumulation overfills the host": (["data.seq_len=16384"], "gpt_oss_120b", 'EngineConfig(host_state="compact") needs less'),
+        "copies stay exposed": (["hardware=a100_pcie", "model.config.num_hidden_layers=4"], "gpt_oss_120b",
+                                "the copies stay exposed: the device holds at most a batch_size of 35 at this sequence length, "
+                                "hiding them takes a batch_size of 50"),
+    }[case]
+    cfg = _gpt_oss(overrides, model=model)
+    plan = plan_from_config(cfg, shape=gpt_oss_shape if model == "gpt_oss_20b" and not overrides else None)
+    ours = host_bound_warning(plan.shape, plan.run, HardwareProfile(**_profile(cfg)), plan.times, plan.max_micro_batch,
+                              model="MyModule", words=LIGHTNING)
+    assert ours is not None and ours.startswith("MyModule is a mixture of experts") and expect in ours, ours
+    assert not re.search(r"data\.|trainer\.|strategy\.|hardware=|seq_len", ours), ours
+    assert re.search(r"data\.batch_size=", plan.moe_warning), plan.moe_warning
+
+
+def _profile(cfg) -> dict:
+    from megatrain_lightning.hardware import resolve_hardware
+
+    return dataclasses.asdict(resolve_hardware(cfg))
+
+
+def test_the_strategy_warns_once_as_a_possible_user_warning_unless_told_not_to() -> None:
+    """MegaTrainStrategy's ``host_bound_warning``: on, the automatic placement's warning is Lightning's
+    PossibleUserWarning (filterable on its own); off (train.py's config), nothing."""
+    import warnings
+
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    from megatrain_lightning import MegaTrainStrategy
+
+    with pytest.warns(PossibleUserWarning, match="is a mixture of experts"):
+        MegaTrainStrategy()._warn_host_bound("MyModule is a mixture of experts: ...")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MegaTrainStrategy(host_bound_warning=False)._warn_host_bound("MyModule is a mixture of experts: ...")
+    from hydra import compose, initialize_config_dir
+
+    from megatrain_lightning.conf_dir import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        assert compose(config_name="train").strategy.host_bound_warning is False  # train.py's plan spoke at the start
+
+
+def test_the_automatic_placement_hands_its_warning_to_the_strategy() -> None:
+    """AutoPlacement on a tiny GPT-OSS under a real Trainer, wired as the strategy wires it on a GPU (its own
+    ``_warn_host_bound``, the module's name) with the measurements a GPU would give, on a host whose AdamW is slow
+    enough to bind the step: one PossibleUserWarning, after the placement's line in its log."""
     from conftest import fit, megatrain
     from zoo import TinyGptOss
 
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
     from megatrain_lightning.auto_placement import AutoPlacement, plan_shape
     from megatrain_lightning.engine.device_memory import StepMemory
     from megatrain_lightning.hardware import load_profile
 
-    warned: list[str] = []
     slow = dataclasses.replace(load_profile("h200"), host_adam_gparams_per_s=1e-7)
 
     class Wire(pl.Callback):
@@ -380,19 +436,19 @@ def test_the_automatic_placement_hands_its_warning_to_the_strategys_warn() -> No
 
         def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             strategy = trainer.strategy
-            strategy.engine.meter.usable_bytes = 100 * GB_
+            strategy.engine.meter.usable_bytes = 100 * GB
             strategy.placement = AutoPlacement(strategy.engine, strategy.config, plan_shape(module), 1, False,
-                                               lambda: slow, warn=warned.append)
+                                               lambda: slow, warn=strategy._warn_host_bound, model=type(module).__name__)
             strategy.precision_plugin.placement = strategy.placement
 
         def on_train_batch_end(self, trainer: pl.Trainer, module, outputs, batch, batch_idx: int) -> None:
-            placement = trainer.strategy.placement
-            if placement.phase != "done":
-                trainer.strategy.engine.meter.measured = StepMemory(peak=1 * GB_, kept_graph=0.1 * GB_, batch=4, seq=24)
+            if trainer.strategy.placement.phase != "done":
+                trainer.strategy.engine.meter.measured = StepMemory(peak=1 * GB, kept_graph=0.1 * GB, batch=4, seq=24)
 
-    got = fit(lambda: TinyGptOss(experts_implementation="grouped_mm_gather"), megatrain(), max_steps=3, callbacks=[Wire()])
-    assert len(warned) == 1 and "is a mixture of experts" in warned[0] and "bound by the host optimizer" in warned[0]
-    assert f"warning: {warned[0]}" in got.trainer.strategy.placement_summary["log"]
-
-
-GB_ = 1e9
+    with pytest.warns(PossibleUserWarning) as caught:
+        got = fit(lambda: TinyGptOss(experts_implementation="grouped_mm_gather"), megatrain(), max_steps=3,
+                  callbacks=[Wire()])
+    said = [str(w.message) for w in caught if issubclass(w.category, PossibleUserWarning) and "mixture" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("TinyGptOss is a mixture of experts") and "host optimizer" in said[0]
+    log = got.trainer.strategy.placement_summary["log"]
+    assert log[0].startswith("placement chosen from the first step") and log[1] == f"warning: {said[0]}", log

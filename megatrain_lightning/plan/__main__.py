@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..conf_dir import config_dir
     from ..errors import ConfigError
+    from ..schema import check_root
     from . import format_plan
     from .from_config import planned_run
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
+        check_root(cfg)  # as train.py: unknown top-level keys, a seed or pick_micro_batch of the wrong type
         plan = planned_run(cfg, overrides)  # a mixture of experts: the micro-batch train.py would pick
         print(format_plan(plan))
     except ConfigError as err:

@@ -32,8 +32,9 @@ COPIES = ("host->device copies", "device->host copies")
 
 @dataclass(frozen=True)
 class Words:
-    """How a warning names what to set: train.py's config keys (:data:`TRAIN_PY`) or, said by the strategy at a
-    run's start, a Lightning user's own arguments (:data:`LIGHTNING`). Each is formatted with ``n``."""
+    """How a warning names what to set: train.py's config keys (:data:`TRAIN_PY`) or, said by the strategy after a
+    run's first micro-batch, a Lightning user's own arguments (:data:`LIGHTNING`). Each is formatted with ``n``;
+    an empty ``placement`` leaves out the clause that names it."""
 
     batch: str = "data.batch_size={n}"
     seq: str = "data.seq_len={n}"
@@ -45,9 +46,10 @@ class Words:
 
 
 TRAIN_PY = Words()
+# (no placement clause: the strategy has just filled its budget with cached weights and kept activations)
 LIGHTNING = Words(batch="a batch_size of {n}", seq="{n} tokens per row", accumulate="Trainer(accumulate_grad_batches={n})",
-                  compact='EngineConfig(host_state="compact")', placement="EngineConfig's cache_weights or keep_activations",
-                  host="the host's ({n} profile)", same_length="at this sequence length")
+                  compact='EngineConfig(host_state="compact")', placement="", host="this machine's",
+                  same_length="at this sequence length")
 
 
 def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: dict[str, float],
@@ -102,8 +104,8 @@ def host_bound_warning(shape: PlanShape, run: Run, hw: HardwareProfile, times: d
                     f"needs less)")
     if copies is None or copies > holds:
         out += (f"; the copies stay exposed: the device holds at most {words.batch.format(n=holds)} {words.same_length}"
-                + (f", hiding them takes {copies}" if copies is not None else "")
-                + f" ({words.placement} cut them)")
+                + (f", hiding them takes {words.batch.format(n=copies)}" if copies is not None else "")
+                + (f" ({words.placement} cut them)" if words.placement else ""))
     return out
 
 

@@ -21,7 +21,8 @@ halves what the placement added to the streaming step (:func:`after_out_of_memor
 which the first step showed fits. Running out also says what the device really gives this process (the
 bytes its allocator held then): from then on the budget is at most :data:`~.placement.HEADROOM` of that, and
 a tried step is held to it by the memory it reserved (fragmentation included), not only by what its tensors
-held. Lightning-free, CUDA-free.
+held. A mixture of experts the chosen placement leaves bound by host work gets the planner's warning, in a
+Lightning user's words (:func:`moe_warning`). Lightning-free, CUDA-free.
 """
 
 from __future__ import annotations
@@ -138,15 +139,19 @@ def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shap
     return options[best], step_times(shape, runs[best], hw)["step"]  # chosen with the margin, predicted without
 
 
-def moe_warning(m: Measured, chosen: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile) -> str | None:
+def moe_warning(m: Measured, requested: EngineConfig, chosen: EngineConfig, shape: PlanShape, work: Workload,
+                hw: HardwareProfile, model: str = "The model") -> str | None:
     """A mixture of experts bound by the host or the link on the placement chosen from the measured step: the
-    planner's warning (``experts.host_bound_warning``), in a Lightning user's words, with the largest micro-batch
-    the measured budget holds; None for a dense model or a compute-bound step."""
+    planner's warning (``experts.host_bound_warning``) in a Lightning user's words, with the largest micro-batch
+    the planner fits in the budget ``by_planner`` chose on (the measured budget less what the measured streaming
+    step held beyond the planner's prediction); None for a dense model or a compute-bound step."""
     if shape.active_fraction >= 1.0:
         return None
+    streaming = resolve(shape, work, requested.filled(), hw)
+    beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # as by_planner counts it
     run = resolve(shape, work, chosen, hw)
-    holds = largest_micro_batch(shape, run, m.budget, host_available=hw.host_memory_gb * GB)
-    return host_bound_warning(shape, run, hw, step_times(shape, run, hw), holds, words=LIGHTNING)
+    holds = largest_micro_batch(shape, run, m.budget - beyond, host_available=hw.host_memory_gb * GB)
+    return host_bound_warning(shape, run, hw, step_times(shape, run, hw), holds, model=model, words=LIGHTNING)
 
 
 def matmuls_ratio(shape: PlanShape) -> float:

@@ -22,7 +22,7 @@ G=$([ $MACHINE = nvidia-h200 ] && echo "model.config.num_hidden_layers=7" || ech
 rm -rf outputs/bench
 # SM clock, power and temperature every 250 ms beside the runs: whether the H100's slower steps after step 3
 # (session 20, unexplained; no allocator retries) are the GPU clocking down under sustained load
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 250 > $OUT/smi.csv 2>&1 &
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 250 > $OUT/smi.csv 2>&1 &
 SMI=$!
 RUN="trainer=sweep trainer.log_every_n_steps=1 +trainer.callbacks.throughput.skip_first=3 +trainer.callbacks.throughput.window=4 data=synthetic data.seq_len=2048 hardware=auto trainer.max_steps=7"
 bench() {  # name, overrides...
@@ -45,7 +45,10 @@ else
 bench qwen3_now "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
 PYTHONPATH=$PWD/$S19/masters_home:$PYTHONPATH bench qwen3_masters_home "model=qwen3_30b_a3b $Q data.batch_size=8 $RUN"
 fi
-kill $SMI 2>/dev/null; echo "smi: $(wc -l < $OUT/smi.csv) samples; lowest SM clocks: $(cut -d, -f2 $OUT/smi.csv | sort -n | uniq -c | head -3 | tr '\n' ' ')"
+kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+# under load (above 200 W): the lowest SM clocks seen, and the hottest sample; then what the driver says throttled
+echo "smi: $(wc -l < $OUT/smi.csv) samples; under load, lowest SM MHz (count): $(awk -F', *' '$4 > 200 {print $2}' $OUT/smi.csv | sort -n | uniq -c | head -3 | tr '\n' ' '); hottest C: $(awk -F', *' '{print $5}' $OUT/smi.csv | sort -n | tail -1)"
+nvidia-smi -q -d PERFORMANCE > $OUT/smi_performance.txt 2>&1
 for d in outputs/bench/*/; do echo "== $d"; grep -o "model=[a-z0-9_]*" $d/.hydra/overrides.yaml 2>/dev/null | head -1; grep -h "planner's pick\|placement chosen\|Error\|compile failed" $d/output.log | cut -c1-400 | tail -3; python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1]))); print(' | '.join(f\"{r['step']} {float(r['TFLOPS']):.1f} {float(r['tokens/s']):.0f} {r.get('gpu_alloc_retries') or 0}\" for r in rows if r.get('TFLOPS')))" $d/logs/metrics.csv 2>&1 | tail -1; done
 cat $OUT/throughput.md 2>/dev/null | grep "^| 20" | cut -d'|' -f5,7,9-16 | cut -c1-300
 cp -r outputs/bench $OUT/bench_runs 2>/dev/null; rm -f $OUT/bench_runs/*/trace*; cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/call1_part$PART.tgz
