@@ -366,6 +366,7 @@ def test_the_warning_in_a_lightning_users_words_names_none_of_train_pys_keys(cas
     never train.py's config keys; the same plans in train.py's words name those keys."""
     import re
 
+    from megatrain_lightning.hardware import resolve_hardware
     from megatrain_lightning.plan.experts import LIGHTNING, host_bound_warning
 
     overrides, model, expect = {
@@ -380,17 +381,11 @@ def test_the_warning_in_a_lightning_users_words_names_none_of_train_pys_keys(cas
     }[case]
     cfg = _gpt_oss(overrides, model=model)
     plan = plan_from_config(cfg, shape=gpt_oss_shape if model == "gpt_oss_20b" and not overrides else None)
-    ours = host_bound_warning(plan.shape, plan.run, HardwareProfile(**_profile(cfg)), plan.times, plan.max_micro_batch,
+    ours = host_bound_warning(plan.shape, plan.run, resolve_hardware(cfg), plan.times, plan.max_micro_batch,
                               model="MyModule", words=LIGHTNING)
     assert ours is not None and ours.startswith("MyModule is a mixture of experts") and expect in ours, ours
     assert not re.search(r"data\.|trainer\.|strategy\.|hardware=|seq_len", ours), ours
     assert re.search(r"data\.batch_size=", plan.moe_warning), plan.moe_warning
-
-
-def _profile(cfg) -> dict:
-    from megatrain_lightning.hardware import resolve_hardware
-
-    return dataclasses.asdict(resolve_hardware(cfg))
 
 
 def test_the_strategy_warns_once_as_a_possible_user_warning_unless_told_not_to() -> None:
