@@ -247,17 +247,11 @@ def _compose(overrides: list[str]):
 
 
 def _gpt_oss(overrides: list[str], model: str = "gpt_oss_20b"):
-    from hydra import compose, initialize_config_dir
-
-    from megatrain_lightning.conf_dir import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        # a placement held fixed across the batches compared (the streaming one): train.py's own choice
-        # (plan/placement.py) would change with each batch
-        return compose(config_name="train", overrides=[f"model={model}", "hardware=h200", "data=synthetic",
-                                                       "strategy.engine.keep_activations=0", "strategy.engine.kept_saves=all",
-                                                       "strategy.engine.cache_weights=0", "strategy.engine.offload_inputs=false",
-                                                       *overrides])
+    # a placement held fixed across the batches compared (the streaming one): train.py's own choice
+    # (plan/placement.py) would change with each batch
+    return _compose([f"model={model}", "hardware=h200", "data=synthetic", "strategy.engine.keep_activations=0",
+                     "strategy.engine.kept_saves=all", "strategy.engine.cache_weights=0",
+                     "strategy.engine.offload_inputs=false", *overrides])
 
 
 @pytest.fixture(scope="module")

@@ -118,10 +118,15 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
                ) -> tuple[EngineConfig, float]:
     """With the model's shapes: the planner's choice on the budget less what the measured streaming peak holds
     beyond the planner's prediction of it, clamped to the measured prediction; and its predicted step time."""
-    streaming = resolve(shape, work, engine.filled(), hw)
-    beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # the user's loss and logits, the planner's error
-    planned = choose_placement(shape, work, engine, hw, budget=m.budget - beyond)
+    planned = choose_placement(shape, work, engine, hw, budget=planner_budget(m, engine, shape, work, hw))
     return fastest_fit(m, planned, engine.chosen_with_placement, shape, work, hw)
+
+
+def planner_budget(m: Measured, engine: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile) -> float:
+    """The device bytes the planner's own byte counts may fill: the measured budget less what the measured
+    streaming step held beyond the planner's prediction of it (the user's loss and logits, the planner's error)."""
+    streaming = resolve(shape, work, engine.filled(), hw)
+    return m.budget - (m.peak - gpu_peak(gpu_bytes(shape, streaming)))
 
 
 def fastest_fit(m: Measured, planned: EngineConfig, unset: tuple[str, ...], shape: PlanShape, work: Workload,
@@ -143,14 +148,13 @@ def moe_warning(m: Measured, requested: EngineConfig, chosen: EngineConfig, shap
                 hw: HardwareProfile, model: str = "The model") -> str | None:
     """A mixture of experts bound by the host or the link on the placement chosen from the measured step: the
     planner's warning (``experts.host_bound_warning``) in a Lightning user's words, with the largest micro-batch
-    the planner fits in the budget ``by_planner`` chose on (the measured budget less what the measured streaming
-    step held beyond the planner's prediction); None for a dense model or a compute-bound step."""
+    the planner fits in the budget ``by_planner`` chose on (:func:`planner_budget`); None for a dense model or a
+    compute-bound step."""
     if shape.active_fraction >= 1.0:
         return None
-    streaming = resolve(shape, work, requested.filled(), hw)
-    beyond = m.peak - gpu_peak(gpu_bytes(shape, streaming))  # as by_planner counts it
     run = resolve(shape, work, chosen, hw)
-    holds = largest_micro_batch(shape, run, m.budget - beyond, host_available=hw.host_memory_gb * GB)
+    budget = planner_budget(m, requested, shape, work, hw)
+    holds = largest_micro_batch(shape, run, budget, host_available=hw.host_memory_gb * GB)
     return host_bound_warning(shape, run, hw, step_times(shape, run, hw), holds, model=model, words=LIGHTNING)
 
 
