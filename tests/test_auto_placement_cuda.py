@@ -202,3 +202,57 @@ def _backs_off_and_runs_again(factory: Any, cuda: dict) -> None:
     assert int(re.search(r"keep_activations=(\d+)", first).group(1)) > chosen["keep_activations"], first
     assert any("ran out of device memory" in m for m in lines), lines
     _same_training(ref, again, got)
+
+
+class PlainGptOss(pl.LightningModule):
+    """A Hugging Face GPT-OSS causal LM as a user writes it (32 experts, top-4; HF's own loss), at few tokens."""
+
+    def __init__(self, batch: int = 2, seq: int = 512, steps: int = 3) -> None:
+        super().__init__()
+        self.batch, self.seq, self.steps = batch, seq, steps
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM, GptOssConfig
+
+        config = GptOssConfig(hidden_size=1024, intermediate_size=1024, head_dim=64, num_attention_heads=16,
+                              num_key_value_heads=4, num_hidden_layers=4, num_local_experts=32,
+                              num_experts_per_tok=4, sliding_window=128,
+                              layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=32000,
+                              max_position_embeddings=4096, use_cache=False)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    def train_dataloader(self) -> Any:
+        g = torch.Generator().manual_seed(1)
+        data = torch.randint(0, 32000, (self.batch * self.steps, self.seq), generator=g)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch)
+
+    def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def test_a_host_bound_mixture_of_experts_is_warned_once_after_the_placement() -> None:
+    """(d) ``Trainer(strategy="megatrain")`` on a plain GPT-OSS module at 1 K tokens per step, the device's budget
+    held to 4 GB (a memory fraction set before the fit) so that the host AdamW updates most of its 0.48 B
+    parameters: the strategy warns once, as a PossibleUserWarning naming the module, after the placement's line."""
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    _free()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(4 * GB / total)
+    try:
+        with pytest.warns(PossibleUserWarning) as caught:
+            got = fit(PlainGptOss, "megatrain", max_steps=3, **CUDA)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    said = [str(w.message) for w in caught if issubclass(w.category, PossibleUserWarning) and "mixture" in str(w.message)]
+    lines = got.trainer.strategy.placement_summary["log"]
+    print("\n(d) " + "\n".join(lines))
+    assert len(said) == 1 and said[0].startswith("PlainGptOss is a mixture of experts"), said
+    assert lines[0].startswith("placement chosen from the first step") and f"warning: {said[0]}" in lines, lines
+    assert all(torch.isfinite(torch.tensor(x)) for x in got.losses)

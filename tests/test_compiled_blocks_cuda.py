@@ -18,6 +18,8 @@
 (f) the same Qwen3-MoE in bf16-mixed, where its experts run torch's grouped GEMM inside the compiled graphs (fp32 takes
     transformers' fallback op): the default against ``compile_blocks=False``, the mean of the last 10 of 30 losses
     within 1%.
+(g) router auxiliary losses (``router_aux_loss_coef=0.5``, HF's own ``outputs.loss``) on tiny Mixtral, Qwen3-MoE and
+    GPT-OSS (experts on ``grouped_mm_gather``), compiled, one block kept saving matmul outputs: fp32 at the bar of (a).
 """
 
 from __future__ import annotations
@@ -174,3 +176,11 @@ def test_cuda_moe_compiled_inside_bf16_trains_like_eager(compiled_calls: list[bo
     assert compiled_calls
     assert _last10(got.losses) < got.losses[0]
     assert diff <= 0.01
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cuda_router_loss_fp32_parity(no_tf32: None, compiled_calls: list[bool], name: str) -> None:  # noqa: F811
+    factory = partial(ZOO[name], experts_implementation="grouped_mm_gather", router_aux_loss_coef=0.5,
+                      optimizer="adamw", lr=3e-3)
+    _compiled_fp32_parity(f"(g) {name} with its router loss, keep 1 (matmuls)", factory,
+                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)
