@@ -32,8 +32,9 @@ def hf_config(arch: str, hidden: int, layers: int, experts: int, top_k: int, coe
     import transformers
 
     heads = max(1, hidden // 64) if hidden >= 64 else 4
+    kv_heads = max(d for d in range(1, heads // 4 + 1) if heads % d == 0) if heads >= 4 else 1  # divides heads
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=max(1, heads // 4), head_dim=hidden // heads, num_experts_per_tok=top_k,
+                  num_key_value_heads=kv_heads, head_dim=hidden // heads, num_experts_per_tok=top_k,
                   max_position_embeddings=1 << 16, output_router_logits=coef > 0, router_aux_loss_coef=coef,
                   attn_implementation="eager")
     if arch == "gpt_oss":

@@ -11,6 +11,8 @@
     strategy backs off, the step runs again, and the run trains as the streaming placement (as in (a)); the log
     says so.
 (c) A memory fraction set before the fit is the strategy's budget: its choice fits without backing off.
+(d) A plain GPT-OSS module at 1 K tokens per step on a 4 GB budget (bound by the host AdamW): the strategy warns once,
+    a PossibleUserWarning naming the module, logged after the placement's line.
 """
 
 from __future__ import annotations
@@ -250,7 +252,8 @@ def test_a_host_bound_mixture_of_experts_is_warned_once_after_the_placement() ->
             got = fit(PlainGptOss, "megatrain", max_steps=3, **CUDA)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    said = [str(w.message) for w in caught if issubclass(w.category, PossibleUserWarning) and "mixture" in str(w.message)]
+    said = [str(w.message) for w in caught
+            if issubclass(w.category, PossibleUserWarning) and "mixture" in str(w.message)]
     lines = got.trainer.strategy.placement_summary["log"]
     print("\n(d) " + "\n".join(lines))
     assert len(said) == 1 and said[0].startswith("PlainGptOss is a mixture of experts"), said

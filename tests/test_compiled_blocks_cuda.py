@@ -19,7 +19,9 @@
     transformers' fallback op): the default against ``compile_blocks=False``, the mean of the last 10 of 30 losses
     within 1%.
 (g) router auxiliary losses (``router_aux_loss_coef=0.5``, HF's own ``outputs.loss``) on tiny Mixtral, Qwen3-MoE and
-    GPT-OSS (experts on ``grouped_mm_gather``), compiled, one block kept saving matmul outputs: fp32 at the bar of (a).
+    GPT-OSS (experts on ``grouped_mm_gather``), ``compile_blocks=True``, one block kept saving matmul outputs: fp32 at
+    the bar of (a). A forward that records router logits runs eager (``engine/compiled.py``); only recomputes, which
+    record nothing, may run compiled (2026-12-05, H100: none for Mixtral and GPT-OSS, 10 for Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return calls
 
 
-def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int, compiled_calls: list[bool]) -> None:
+def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int, compiled_calls: list[bool],
+                          compiles: bool = True) -> None:
     """``steps`` fp32 steps (TF32 off) with ``placement`` compiled against Lightning's default strategy, at the bar of
-    the eager path (tests/test_parity_cuda.py (a)): every loss within 1e-4, every weight within 1e-3."""
+    the eager path (tests/test_parity_cuda.py (a)): every loss within 1e-4, every weight within 1e-3; with
+    ``compiles``, compiled block calls ran."""
     ref = fit(factory, None, max_steps=steps, precision="32-true", **CUDA)
     got = fit(factory, megatrain(**{**STREAMING, **placement, "compile_blocks": True}), max_steps=steps,
               precision="32-true", **CUDA)
@@ -65,7 +69,7 @@ def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int,
     worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
     print(f"\n{label}, fp32 TF32-off, {steps} steps: worst loss rel diff {worst_loss:.2e}, worst param "
           f"{worst_param:.2e}; {len(compiled_calls)} compiled block calls")
-    assert len(compiled_calls) > 0
+    assert len(compiled_calls) > 0 or not compiles
     compare_losses(ref.losses, got.losses, rtol=1e-4)
     compare_states(ref.state, got.state, rtol=1e-3)
 
@@ -183,4 +187,4 @@ def test_cuda_router_loss_fp32_parity(no_tf32: None, compiled_calls: list[bool],
     factory = partial(ZOO[name], experts_implementation="grouped_mm_gather", router_aux_loss_coef=0.5,
                       optimizer="adamw", lr=3e-3)
     _compiled_fp32_parity(f"(g) {name} with its router loss, keep 1 (matmuls)", factory,
-                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)
+                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls, compiles=False)

@@ -42,6 +42,19 @@ def test_moe_router_loss_recipe_matches_the_default_strategy() -> None:
     assert len(out["megatrain"]["idle_experts_per_step"]) == 3
 
 
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral", "qwen3_moe"])
+def test_moe_router_loss_recipe_builds_its_gpu_size(arch: str) -> None:
+    """docs/moe.md's GPU size (hidden 2880: 45 heads) has key/value heads that divide its heads (2026-12-05 on the
+    H100 it had 11 of 45, and HF's attention failed in the first forward); one layer of two experts, one forward."""
+    import transformers
+
+    config = load("moe_router_loss").hf_config(arch, 2880, 1, 2, 1, 0.5, 64)
+    assert config.num_attention_heads % config.num_key_value_heads == 0
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    assert torch.isfinite(model(input_ids=tokens, labels=tokens).loss)
+
+
 @pytest.mark.slow
 def test_moe_layer_recipe_compiles_around_the_experts_and_whole(capsys: pytest.CaptureFixture[str]) -> None:
     """recipes/moe_layer.py --compile: the layers compiled with the experts eager and compiled whole both run (a
