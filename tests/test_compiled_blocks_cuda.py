@@ -21,7 +21,7 @@
 (g) router auxiliary losses (``router_aux_loss_coef=0.5``, HF's own ``outputs.loss``) on tiny Mixtral, Qwen3-MoE and
     GPT-OSS (experts on ``grouped_mm_gather``), ``compile_blocks=True``, one block kept saving matmul outputs: fp32 at
     the bar of (a). A forward that records router logits runs eager (``engine/compiled.py``); only recomputes, which
-    record nothing, may run compiled (2026-12-05, H100: none for Mixtral and GPT-OSS, 10 for Qwen3-MoE).
+    record nothing, may run compiled (2026-12-05, H100: none ran for Mixtral and GPT-OSS, 10 for Qwen3-MoE).
 """
 
 from __future__ import annotations
