@@ -5,9 +5,12 @@ Inside a fit, add the callback; it profiles optimizer steps ``first_step .. firs
 writes the trace into ``out_dir``, prints the breakdown to stderr and hands the figures to ``on_result``::
 
     from profile_breakdown import StepProfiler          # recipes/ on sys.path, or load the file
-    prof = StepProfiler(first_step=5, steps=3, out_dir="outputs/profile",
-                        host_busy=lambda: host_optimizer_seconds_so_far(), on_result=print)
+    prof = StepProfiler(first_step=5, steps=3, out_dir="outputs/profile", host_busy="megatrain", on_result=print)
     trainer = pl.Trainer(..., callbacks=[prof])
+
+``host_busy="megatrain"`` reads the strategy's host optimizers (``megatrain_host_seconds``); any callable
+returning cumulative host optimizer seconds does too. From ``train.py``:
+``+trainer.callbacks.profile._target_=profile_breakdown.StepProfiler ... +trainer.callbacks.profile.host_busy=megatrain``.
 
 On a saved trace, from the shell (``--window T0 T1`` in trace microseconds, ``--host-busy`` seconds)::
 
@@ -327,6 +330,18 @@ def print_details(trace: dict | str | Path, steps: int, top: int, ops: int, gaps
 
 # ---------------------------------------------------------------------------------------------
 # the callback
+def megatrain_host_seconds(trainer: Any) -> float:
+    """Cumulative host seconds in the optimizer updates of a fit under ``strategy="megatrain"``: the sum of
+    its host optimizers' ``update_seconds`` (overlapped updates on the host worker and ``step()``'s)."""
+    hosts = getattr(getattr(getattr(trainer, "strategy", None), "precision_plugin", None), "host_optimizers", None)
+    if hosts is None:
+        raise ValueError(
+            f"StepProfiler(host_busy='megatrain') reads MegaTrainStrategy's host optimizers; this fit runs "
+            f"{type(getattr(trainer, 'strategy', None)).__name__}. Pass a callable returning cumulative host "
+            "optimizer seconds, or leave host_busy at None.")
+    return float(sum(h.update_seconds for h in hosts.values()))
+
+
 # ---------------------------------------------------------------------------------------------
 class StepProfiler(Callback):
     """Profiles optimizer steps ``first_step .. first_step + steps - 1`` (0-based) of a fit on CUDA.
@@ -340,17 +355,20 @@ class StepProfiler(Callback):
 
     The trace goes to ``out_dir/trace_steps_{first}-{last}.json``; it is summarized over its whole span,
     first to last event of any kind (CPU too: host-only gaps at the window's edges count as GPU idle).
-    ``host_busy``, if given, returns cumulative host optimizer seconds; the difference over the window is
-    reported as ``host_optimizer_busy_s``. The result also carries ``host_wall_s``: the window measured with
+    ``host_busy``, if given, returns cumulative host optimizer seconds (``"megatrain"``: the strategy's, see
+    :func:`megatrain_host_seconds`); the difference over the window is reported as ``host_optimizer_busy_s``. The result also carries ``host_wall_s``: the window measured with
     ``time.perf_counter``, per step. Without CUDA every hook returns at once.
     """
 
     megatrain_reads_weights = False
 
     def __init__(self, first_step: int, steps: int, out_dir: str, on_result: Callable[[dict], None] | None = None,
-                 host_busy: Callable[[], float] | None = None, top: int = 0, ops: int = 0, gaps: int = 0) -> None:
+                 host_busy: Callable[[], float] | Literal["megatrain"] | None = None, top: int = 0, ops: int = 0,
+                 gaps: int = 0) -> None:
         if first_step < 0 or steps <= 0:
             raise ValueError(f"need first_step >= 0 and steps > 0, got {first_step}, {steps}")
+        if isinstance(host_busy, str) and host_busy != "megatrain":
+            raise ValueError(f"host_busy: a callable, 'megatrain' or None, got {host_busy!r}")
         self.first_step, self.steps, self.out_dir = first_step, steps, Path(out_dir)
         self.on_result, self.host_busy, self.top, self.ops, self.gaps = on_result, host_busy, top, ops, gaps
         self.enabled = torch.cuda.is_available()
@@ -362,17 +380,20 @@ class StepProfiler(Callback):
         self._start_step = 0
         self._t_start = 0.0
         self._host_start = 0.0
+        self._trainer: Any = None  # the fit's, for host_busy="megatrain"
 
     # hooks -----------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.enabled or self._last_step is not None:
             return
+        self._trainer = trainer
         self._last_step = trainer.global_step  # the fit's first batch: a step boundary
         self._at_boundary(trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.enabled or trainer.global_step == self._last_step:
             return
+        self._trainer = trainer
         self._last_step = trainer.global_step  # an optimizer step just finished
         self._at_boundary(trainer.global_step)
 
@@ -381,6 +402,13 @@ class StepProfiler(Callback):
             self._stop(trainer.global_step)
 
     # ----------------------------------------------------------------------------------------
+    def _host_seconds(self) -> float | None:
+        if self.host_busy is None:
+            return None
+        if self.host_busy == "megatrain":
+            return megatrain_host_seconds(self._trainer)
+        return self.host_busy()
+
     def _at_boundary(self, step: int) -> None:
         if self._state == "waiting" and step >= self.first_step:
             self._start(step)
@@ -394,13 +422,14 @@ class StepProfiler(Callback):
         self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=self.ops > 0)
         self._profiler.start()
         self._start_step, self._state = step, "running"
-        self._host_start = self.host_busy() if self.host_busy else 0.0
+        self._host_start = self._host_seconds() or 0.0
         self._t_start = time.perf_counter()
 
     def _stop(self, step: int) -> None:
         torch.cuda.synchronize()
         host_wall = time.perf_counter() - self._t_start
-        host_busy = self.host_busy() - self._host_start if self.host_busy else None
+        now = self._host_seconds()
+        host_busy = None if now is None else now - self._host_start
         self._profiler.stop()
         profiler, self._profiler, self._state = self._profiler, None, "done"
         done = step - self._start_step

@@ -335,3 +335,51 @@ def test_command_line_lists_ops_and_gaps(tmp_path: Path, capsys: pytest.CaptureF
     assert "op" in out[1] and "(no launching op)" in out[1] and "0.1 ms/step" in out[1]
     assert "aten::add_ [[3]] float" in out[2] and "0.1 ms/step" in out[2]
     assert out[3].startswith("  gap     0.06 ms at +     0.10 ms  after add_kernel  before gemm")
+
+
+def test_step_profiler_reads_the_strategys_host_optimizers(tmp_path: Path, fake_cuda: list[str]) -> None:
+    """host_busy="megatrain": the sum of the strategy's host optimizers' update seconds over the window."""
+    hosts = {1: SimpleNamespace(update_seconds=0.0), 2: SimpleNamespace(update_seconds=0.0)}
+    trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(precision_plugin=SimpleNamespace(
+        host_optimizers=hosts)))
+    cb = pb.StepProfiler(first_step=1, steps=2, out_dir=str(tmp_path), host_busy="megatrain")
+    for b in range(4):  # one optimizer step per batch; each step's updates take 0.5 + 0.25 s
+        cb.on_train_batch_start(trainer, None, None, b)
+        hosts[1].update_seconds += 0.5
+        hosts[2].update_seconds += 0.25
+        trainer.global_step = b + 1
+        cb.on_train_batch_end(trainer, None, None, None, b)
+    assert fake_cuda == ["sync", "start", "sync", "stop"]
+    assert cb.result["host_optimizer_busy_s"] == pytest.approx(0.75)  # steps 1-2: 1.5 s over 2 steps
+
+
+def test_step_profiler_megatrain_host_busy_needs_the_strategy(tmp_path: Path, fake_cuda: list[str]) -> None:
+    with pytest.raises(ValueError, match="callable, 'megatrain' or None"):
+        pb.StepProfiler(first_step=0, steps=1, out_dir=str(tmp_path), host_busy="deepspeed")
+    cb = pb.StepProfiler(first_step=0, steps=1, out_dir=str(tmp_path), host_busy="megatrain")
+    other = SimpleNamespace(global_step=0, strategy=SimpleNamespace(precision_plugin=SimpleNamespace()))
+    with pytest.raises(ValueError, match="reads MegaTrainStrategy's host optimizers; this fit runs SimpleNamespace"):
+        cb.on_train_batch_start(other, None, None, 0)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["overlapped", "in step"])
+def test_megatrain_host_seconds_counts_every_host_update(clip: float | None) -> None:
+    """A real fit: the host optimizer's seconds grow whether the stores update as their gradients land
+    (overlapped, on the host worker) or in ``step()`` (clipping needs every gradient first)."""
+    import lightning as L
+    from test_streaming import HooklessNet, _loader, _trainer
+
+    class Read(L.Callback):  # at the fit's end, while the strategy still holds its host optimizers
+        def on_train_end(self, trainer, module) -> None:
+            (host,) = trainer.strategy.precision_plugin.host_optimizers.values()
+            self.early, self.seconds = host.early_updates, host.update_seconds
+            self.read = pb.megatrain_host_seconds(trainer)
+
+    read = Read()
+    _trainer("megatrain", max_steps=2, gradient_clip_val=clip, callbacks=[read]).fit(HooklessNet(depth=3), _loader())
+    assert (read.early > 0) == (clip is None)  # which path ran
+    assert read.seconds > 0 and read.read == read.seconds
+    default = _trainer("auto", max_steps=1)
+    default.fit(HooklessNet(depth=3), _loader())
+    with pytest.raises(ValueError, match="this fit runs SingleDeviceStrategy"):
+        pb.megatrain_host_seconds(default)

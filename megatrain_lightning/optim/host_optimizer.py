@@ -189,7 +189,9 @@ class HostOptimizer:
                 "Use EngineConfig(host_state='fp32') for other optimizers."
             )
         self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
-        self.update_seconds = 0.0  # host time spent in those overlapped updates, over the run
+        # host seconds in this optimizer's updates, over the run: the overlapped ones (host worker) and step()'s
+        # (recipes/profile_breakdown.py reports it per step as the host optimizer's busy time)
+        self.update_seconds = 0.0
         self.ranges: list[list[_Range]] = []
         self._bound_groups: list[list[int]] = []
         self.bind(stores)
@@ -320,16 +322,20 @@ class HostOptimizer:
         opt = self.optimizer
         if not self.fast:
             assert not skip
-            opt.step()
+            t0 = time.perf_counter()
+            opt.step()  # the optimizer's own step, its hooks included
+            self.update_seconds += time.perf_counter() - t0
             return
         for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
             hook(opt, (), {})
+        t0 = time.perf_counter()
         with torch.no_grad():
             for group, ranges in zip(opt.param_groups, self.ranges):
                 hyper = self.hyper(group)
                 for r in ranges:
                     if id(r.store) not in skip:
                         kernels.update(r.store, r.pieces(opt.state), hyper)
+        self.update_seconds += time.perf_counter() - t0
         self.early_updates += len(skip)
         for hook in chain(opt._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
             hook(opt, (), {})
