@@ -356,8 +356,9 @@ class StepProfiler(Callback):
     The trace goes to ``out_dir/trace_steps_{first}-{last}.json``; it is summarized over its whole span,
     first to last event of any kind (CPU too: host-only gaps at the window's edges count as GPU idle).
     ``host_busy``, if given, returns cumulative host optimizer seconds (``"megatrain"``: the strategy's, see
-    :func:`megatrain_host_seconds`); the difference over the window is reported as ``host_optimizer_busy_s``. The result also carries ``host_wall_s``: the window measured with
-    ``time.perf_counter``, per step. Without CUDA every hook returns at once.
+    :func:`megatrain_host_seconds`; an update still running on into the next forward counts where it ends); the
+    difference over the window is reported as ``host_optimizer_busy_s``. The result also carries ``host_wall_s``:
+    the window measured with ``time.perf_counter``, per step. Without CUDA every hook returns at once.
     """
 
     megatrain_reads_weights = False

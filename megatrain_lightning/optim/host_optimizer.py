@@ -190,7 +190,8 @@ class HostOptimizer:
             )
         self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
         # host seconds in this optimizer's updates, over the run: the overlapped ones (host worker) and step()'s
-        # (recipes/profile_breakdown.py reports it per step as the host optimizer's busy time)
+        # (recipes/profile_breakdown.py reports it per step as the host optimizer's busy time; a diagnostic only,
+        # added to from both threads without a lock)
         self.update_seconds = 0.0
         self.ranges: list[list[_Range]] = []
         self._bound_groups: list[list[int]] = []
