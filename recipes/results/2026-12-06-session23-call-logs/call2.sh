@@ -1,5 +1,5 @@
 #!/bin/bash
-# session 23, call 2 (BUDGET=560; carry .whl; asked as nvidia-h200): issue 18's shapes at the size its targets name,
+# session 23, call 2 (BUDGET=560; carry .whl; asked as nvidia-h200; ONLY=gpt_oss runs GPT-OSS alone): issue 18's shapes at the size its targets name,
 # whatever card comes: Qwen3-30B-A3B cut to 10 layers and GPT-OSS-20B cut to 7 (as many as fp32 state fits in the
 # host's 126-128 GiB), GPT-OSS first (the closer to the target), nothing set but hardware=auto (the planner picks the
 # micro-batch), steps 4-7 timed (window 4), step 8 under the step profiler (GPU compute, copies each way, GPU idle, the
@@ -22,7 +22,7 @@ bench() {  # name, seconds at most, overrides...
   echo "$name rc=$? $((SECONDS-T0)) s"
 }
 bench gpt_oss_7_picked 290 "model=gpt_oss_20b model.config.num_hidden_layers=7 $RUN $PROF"
-bench qwen3_10_picked 260 "model=qwen3_30b_a3b model.config.num_hidden_layers=10 $RUN $PROF"
+[ "${ONLY:-}" = gpt_oss ] || bench qwen3_10_picked 260 "model=qwen3_30b_a3b model.config.num_hidden_layers=10 $RUN $PROF"
 kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
 echo "smi: $(wc -l < $OUT/smi.csv) samples; under load, lowest SM MHz (count): $(awk -F', *' '$4 > 200 {print $2}' $OUT/smi.csv | sort -n | uniq -c | head -3 | tr '\n' ' '); hottest C: $(awk -F', *' '{print $5}' $OUT/smi.csv | sort -n | tail -1)"
 for d in outputs/bench/*/; do echo "== $d"; grep -o "model=[a-z0-9_]*" $d/.hydra/overrides.yaml 2>/dev/null | head -1; grep -h "planner's pick\|placement chosen\|Error\|compile failed\|warn" $d/output.log | cut -c1-330 | tail -4; grep -h "profile steps\|_s \|_frac\|busy\|idle" $d/output.log | cut -c1-170 | head -24; python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1]))); print(' | '.join(f\"{r['step']} {float(r['TFLOPS']):.1f} {float(r['tokens/s']):.0f} {r.get('gpu_alloc_retries') or 0}\" for r in rows if r.get('TFLOPS')))" $d/logs/metrics.csv 2>&1 | tail -1; done
