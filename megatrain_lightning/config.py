@@ -58,9 +58,10 @@ class EngineConfig:
             ``"matmuls"`` its input and its matmul and attention outputs only, the backward recomputing the
             elementwise ops from them (a few percent of the block's time; ``engine/selective.py``). A 7B
             layer then keeps ~121 instead of ~262 KB per token, so about twice as many blocks fit.
-        cache_weights: the last ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype
-            weights on the device for the whole optimizer step: one host->device copy per step instead of
-            two per micro-batch, at one block of weights each (a 7B layer: 0.47 GB in bf16). Clamped.
+        cache_weights: ``max(cache_weights, keep_activations)`` blocks keep their compute-dtype weights on
+            the device for the whole optimizer step (the last ones; those ``update_on_device`` updates from
+            block 1 on: :meth:`fixed_blocks`): one host->device copy per step instead of two per micro-batch, at
+            one block of weights each (a 7B layer: 0.47 GB in bf16). Clamped.
         offload_inputs: which recomputed blocks park their saved inputs in pinned host memory instead of on
             the device (each is one residual-stream activation: tokens x hidden x 4 B, 2 B with
             ``saved_inputs_dtype="compute"``), brought back one block ahead of its backward. ``True``: every
@@ -114,7 +115,8 @@ class EngineConfig:
             their newer masters and moments stay on the device until something reads the host state
             (checkpoints, validation, the end of fit: ``engine/device_update.py``, "home on demand"). ``True`` (or 1): those two; a number
             ``N`` > 1: also ``N - 1`` of the cached blocks (``cache_weights``; their new weights stay in their
-            fixed slots), each taking its AdamW off the host, for a run the host AdamW bounds. Costs the part's
+            fixed slots; cached from block 1 on, :meth:`fixed_blocks`), each taking its AdamW off the host, for
+            a run the host AdamW bounds. Costs the part's
             Adam moments on the device, 8 B/param, and each block's fp32 masters and moments, 12 B/param,
             plus one block's fp32 gradients while it is updated (7B, ``True``: 4.4 + 3.7 GB). Applies with
             the overlapped update, fp32 host state, one micro-batch per step and one rank; their parameters'
@@ -221,6 +223,23 @@ class EngineConfig:
         """Blocks whose weights stay on the device for the step (kept blocks included; open fields: none)."""
         e = self.filled()
         return max(e.keep_activations, e.cache_weights)
+
+    def fixed_blocks(self, n_blocks: int) -> list[int]:
+        """The :attr:`cached_blocks` of a model of ``n_blocks`` blocks, by index. The kept ones are the last
+        ``keep_activations``. Of the others, those the device updates (``update_on_device=N``: the first block
+        and N - 1 cached ones) are cached from block 1 on: their gradients land last in the backward, so left
+        to the host their AdamW would run between the backward and the next forward, which waits for each in
+        turn (measured on an H100, Qwen3-30B-A3B cut to 10 layers, 22 x 2048, blocks 6-9 cached and updated on
+        the device: the GPU idle 40 % of the step, 0.54 s, most of it before the forward's blocks 1-3). The blocks
+        the host updates are then the last ones, whose gradients land first, their AdamW beside the rest of
+        the backward. Cached blocks left to the host are the last ones. Every choice gives the same result bit
+        for bit (the placement moves weights, not arithmetic)."""
+        cached = min(self.cached_blocks, n_blocks)
+        if cached == n_blocks:
+            return list(range(n_blocks))
+        kept = min(self.filled().keep_activations, cached)
+        early = min(cached - kept, max(int(self.update_on_device or 0) - 1, 0), max(n_blocks - 1 - kept, 0))
+        return list(range(1, 1 + early)) + list(range(n_blocks - (cached - early), n_blocks))
 
 
 def grad_buffers_for(requested: int | None, host_need_bytes: float, host_total_bytes: float) -> int:

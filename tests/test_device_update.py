@@ -169,13 +169,44 @@ def test_the_next_forward_reads_the_first_block_from_its_slot(monkeypatch: pytes
     assert loads.count(0) == 5, loads
 
 
-@pytest.mark.parametrize(("cached", "want"), [(3, [2, 1, 0]), (1, [2, 0])], ids=["all-cached", "last-cached"])
+@pytest.mark.parametrize(("cached", "want"), [(3, [2, 1, 0]), (1, [1, 0])], ids=["all-cached", "one-cached"])
 def test_more_blocks_on_the_device_bit_for_bit(cached: int, want: list[int], block_updates: list[int]) -> None:
     """``update_on_device=3``: the first block and the cached ones (in backward order), as the host would;
-    a streamed block other than the first stays on the host path."""
+    a streamed block other than the first stays on the host path. One block cached: block 1, the next
+    forward's second (``EngineConfig.fixed_blocks``), so the host updates block 2, whose gradients land
+    first."""
     on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=4)
     assert block_updates == want * 4, block_updates
     off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=4)
+    assert_same_training(on, off)
+
+
+def test_the_blocks_the_device_updates_are_cached_from_the_second_on() -> None:
+    """Which blocks own a fixed slot: with ``update_on_device=N`` the cached blocks the device updates are the
+    next forward's earliest (the host's are then those whose gradients land first); kept blocks stay the last;
+    cached blocks left to the host stay the last (as without device updates)."""
+    from megatrain_lightning.config import EngineConfig
+
+    def fixed(**kwargs: Any) -> list[int]:
+        return EngineConfig(**kwargs).for_blocks(10).fixed_blocks(10)
+
+    assert fixed(cache_weights=4, update_on_device=8) == [1, 2, 3, 4]  # the H100 Qwen3 placement
+    assert fixed(cache_weights=4, update_on_device=3) == [1, 2, 8, 9]
+    assert fixed(cache_weights=4, update_on_device=True) == [6, 7, 8, 9]
+    assert fixed(cache_weights=4, update_on_device=False) == [6, 7, 8, 9]
+    assert fixed(cache_weights=3, keep_activations=1, update_on_device=2) == [1, 8, 9]
+    assert fixed(cache_weights=1, keep_activations=1, update_on_device=2) == [9]
+    assert fixed(cache_weights=10, update_on_device=10) == list(range(10))
+    assert fixed(cache_weights=9, keep_activations=2, update_on_device=10) == list(range(1, 10))
+
+
+def test_a_kept_block_and_an_early_cached_one_bit_for_bit(block_updates: list[int]) -> None:
+    """Two cached blocks of three, the last kept (activations and weights through the backward) and block 1
+    updated on the device in its fixed slot: the host path's result bit for bit."""
+    options = dict(cache_weights=2, keep_activations=1)
+    on = fit(adamw("llama"), megatrain(update_on_device=2, **options), max_steps=4)
+    assert block_updates == [1, 0] * 4, block_updates
+    off = fit(adamw("llama"), megatrain(update_on_device=False, **options), max_steps=4)
     assert_same_training(on, off)
 
 
@@ -251,7 +282,7 @@ def test_a_new_placement_gives_the_device_state_back_and_stays_exact(block_updat
     replace = Replace()
     on = fit(adamw("llama"), megatrain(update_on_device=3, cache_weights=3), max_steps=5, callbacks=[replace])
     assert replace.released == [0]
-    assert block_updates == [2, 1, 0] * 2 + [2, 0] * 3, block_updates
+    assert block_updates == [2, 1, 0] * 2 + [1, 0] * 3, block_updates  # then block 1 cached (EngineConfig.fixed_blocks)
     off = fit(adamw("llama"), megatrain(update_on_device=False, cache_weights=3), max_steps=5)
     assert on.losses == off.losses
     for key, value in off.state.items():

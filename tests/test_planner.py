@@ -106,7 +106,7 @@ def test_step_time_by_hand_names_the_link() -> None:
 
 def test_step_time_with_the_updates_on_the_device() -> None:
     """One micro-batch per step. On the host, the next forward's first block waits for its own gradients'
-    copy home, its AdamW and its weights' copy back after the backward. On the device (``update_on_device``),
+    copy home, its AdamW and its weights' copy back after the backward, and the second block for its own. On the device (``update_on_device``),
     the embedding's weights stay there and the first block's land in its slot, neither's gradients leave,
     neither's AdamW is between the backward and the next forward; their masters and moments stay on the device
     (home on demand), and the streamed first block's recompute reloads its weights from its device masters."""
@@ -129,7 +129,12 @@ def test_step_time_with_the_updates_on_the_device() -> None:
     assert on.times["forward (one micro-batch)"] == pytest.approx(2400 / 1e9)
     h2d_first_on = (4 * 300 + 4 * 200) / 1e9
     fwd_first_on = h2d_first_on  # the first block's masters stay on the device (its slot is refilled from them)
-    assert on.step_s == pytest.approx(fwd_first_on + max(bwd_on, 300 / 1e9 * shared + adam_head))
+    # the second block, on the host: its gradients land half-way through the backward and cross, its AdamW runs,
+    # its weights cross back; the next forward's second half waits for them (plan/timing.host_chain_wait)
+    ready = bwd_on / 2 + 4 * 300 / 0.9e9 + 300 / 1e9 * shared + 4 * 300 / 1e9
+    wait = max(bwd_on + fwd_first_on / 2, ready) + fwd_first_on / 2 - (bwd_on + fwd_first_on)
+    assert wait > 0
+    assert on.step_s == pytest.approx(fwd_first_on + max(bwd_on + wait, 300 / 1e9 * shared + adam_head))
 
 
 def test_nothing_updated_on_the_device_goes_home_per_step() -> None:
@@ -326,3 +331,20 @@ def test_the_host_peak_of_a_placement_the_strategy_tries_is_its_first_steps_fp32
     assert qwen_open.run.tried and not qwen_set.run.tried
     cpu = _compose_plan("model=tiny", "hardware=cpu")
     assert not cpu.run.tried  # streaming on the CPU: nothing measured or tried
+
+
+def test_the_forward_waits_for_the_host_updates_of_the_blocks_it_needs_first() -> None:
+    """``host_chain_wait``: ten blocks, a backward of 1 s (0.1 s a block), a forward of 0.5 s, 0.12 s of host AdamW
+    a block. Block 0 alone on the host: its gradient copy, update and weight copy in turn. Blocks 1-5 on the host
+    (what the device does not update when blocks 6-9 are cached): block 1's gradients land 0.1 s before the end,
+    the forward reaches it 0.05 s after, it waits. Blocks 5-9 instead (``EngineConfig.fixed_blocks`` caching
+    1-4): their gradients land first and their updates are done before the forward reaches them."""
+    from megatrain_lightning.plan.timing import host_chain_wait
+
+    assert host_chain_wait(10, [], 1.0, 0.5, 0.12, 0.01, 0.02) == 0.0
+    assert host_chain_wait(10, [0], 1.0, 0.5, 0.12, 0.01, 0.02) == pytest.approx(0.01 + 0.12 + 0.02)
+    early = host_chain_wait(10, [1, 2, 3, 4, 5], 1.0, 0.5, 0.12, 0.01, 0.02)
+    # landed at 0.51 .. 0.91 (+0.01): updates end 0.63, 0.75, 0.87, 0.99 (blocks 5, 4, 3, 2), block 1 at 1.11;
+    # block 1 starts at 1.13 instead of 1.05, the rest follow on (their updates are done)
+    assert early == pytest.approx(1.13 - 1.05)
+    assert host_chain_wait(10, [5, 6, 7, 8, 9], 1.0, 0.5, 0.12, 0.01, 0.02) == 0.0

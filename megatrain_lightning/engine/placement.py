@@ -20,7 +20,7 @@ def lay_out(engine: Any, config: EngineConfig) -> None:
     """``engine.keep``, ``engine.weights`` (its slots) and ``engine.offload`` for ``config`` (filled)."""
     n_blocks = len(engine.blocks)
     engine.keep = set(range(n_blocks - config.keep_activations, n_blocks))
-    cached = range(n_blocks - config.cached_blocks, n_blocks)
+    cached = config.fixed_blocks(n_blocks)  # kept blocks and the cached ones (the first the device updates)
     stores = engine.stores
     slots = DeviceSlots(config.slots, max(s.numel for s in stores), engine.compute_dtype, engine.device,
                         fixed=[(b, stores[b].numel) for b in cached], master_dtype=stores[0].dtype,

@@ -99,6 +99,11 @@ class Run:
         number ``update_on_device`` asks for (``engine/device_update.device_blocks``)."""
         return device_blocks(self.engine, layers) if self.update_on_device else 0
 
+    def host_blocks(self, layers: int) -> list[int]:
+        """The blocks whose AdamW runs on the host (every block not updated on the device), by index."""
+        on_device = set(device_block_ids(self.engine, layers)) if self.update_on_device else set()
+        return [b for b in range(layers) if b not in on_device]
+
     @property
     def run_on(self) -> bool:
         return self.engine.overlap_optimizer and self.engine.overlap_next_forward and not self.work.clip
@@ -107,7 +112,13 @@ class Run:
 def device_blocks(engine: EngineConfig, layers: int) -> int:
     """The blocks ``engine.update_on_device`` updates on the device where it applies: the first, and up to
     N - 1 cached ones (the first block, when cached, is one of them); 0 where it is off."""
-    if not engine.update_on_device:
-        return 0
-    cached = min(engine.cached_blocks, layers)
-    return 1 + max(min(int(engine.update_on_device) - 1, cached - (cached == layers)), 0)
+    return len(device_block_ids(engine, layers))
+
+
+def device_block_ids(engine: EngineConfig, layers: int) -> list[int]:
+    """Which blocks those are, by index, as ``engine/device_update.device_blocks`` takes them from the
+    forward order: block 0, then the cached blocks after it (``EngineConfig.fixed_blocks``), up to N."""
+    if not engine.update_on_device or layers < 1:
+        return []
+    cached = [b for b in engine.fixed_blocks(layers) if b > 0]
+    return [0] + cached[: max(int(engine.update_on_device) - 1, 0)]

@@ -113,9 +113,10 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     part's update follows the backward. Running on (``overlap_next_forward``), the block updates the
     backward leaves undone run during the next forward instead of before it; pooled gradient buffers
     bound how many are left (the backward waits for a free buffer), so the forward can hide at most
-    ``grad_buffers`` blocks' updates; but its first block waits for its own update, which starts only when
-    the backward ends (unless it runs on the device, ``update_on_device``: what the device updates adds its update
-    to the backward's device time, at the profile's ``device_update_gparams_per_s``). ``host_margin`` > 1 slows the host
+    ``grad_buffers`` blocks' updates; but each of its blocks waits for its own update, which for the first ones
+    starts only near the end of the backward (:func:`host_chain_wait`; none for the blocks updated on the device,
+    ``update_on_device``: what the device updates adds its update to the backward's device time, at the profile's
+    ``device_update_gparams_per_s``). ``host_margin`` > 1 slows the host
     AdamW by that factor (what a placement is chosen with: ``placement.HOST_MARGIN``).
     """
     w, e = run.work, run.engine
@@ -177,12 +178,13 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
     adam_b = 26 if run.half_grads else 28
     shared = (adam_b + grad_b + weight_b * streamed) / 28
     adam_blocks *= shared
-    # Updated on the host, the first block's gradients come home last: the next forward's first block waits
-    # for their copy, its AdamW and its weights' copy back, however far ahead the host otherwise is.
-    boundary = 0.0 if first_on_device else (
-        grad_b * first / (link * BIDIRECTIONAL_FACTOR) + shared * first / adam_rate + weight_b * first / link)
     bwd = max(dev_bwd, h2d_bwd, d2h_bwd)
     fwd_first, fwd = max(dev_fwd, h2d_fwd_first, d2h_fwd), max(dev_fwd, h2d_fwd, d2h_fwd)
+    # Updated on the host, a block's update waits for its gradients and the next forward for its update and
+    # its weights' copy back: the blocks the backward finishes last (the forward's first) wait the longest.
+    boundary = host_chain_wait(layers, run.host_blocks(layers), bwd, fwd_first,
+                               shared * first / adam_rate, grad_b * first / (link * BIDIRECTIONAL_FACTOR),
+                               weight_b * first / link)
     if w.accumulate == 1:
         last_host = adam_blocks + adam_after  # host work in the last backward
         before_last = fwd_first
@@ -205,6 +207,36 @@ def step_times(shape: PlanShape, run: Run, hw: HardwareProfile, pinned_ok: bool 
         "backward (one micro-batch)": bwd,
         "step": step,
     }
+
+
+def host_chain_wait(layers: int, host: list[int], bwd: float, fwd: float, adam: float, grad_copy: float,
+                    weight_copy: float) -> float:
+    """Seconds the next forward waits for the host's block updates, the blocks of equal size and time. The
+    backward runs the blocks last to first (``bwd`` in all); a block's gradients are home ``grad_copy`` after
+    its backward; the host runs one update at a time (``adam`` each), the landed one the next forward needs
+    first (``engine/updates.py``: earliest deadline first); a block of the next forward (``fwd`` in all)
+    starts once its update has run and its weights crossed (``weight_copy``). Block 0 alone on the host: its
+    gradient copy, update and weight copy, in turn."""
+    if not host or layers < 1:
+        return 0.0
+    landed = {b: (layers - b) * bwd / layers + grad_copy for b in host}
+    done: dict[int, float] = {}
+    clock = 0.0
+    while landed:
+        ready = [b for b, t in landed.items() if t <= clock]
+        if not ready:
+            clock = min(landed.values())
+            continue
+        b = min(ready)
+        clock += adam
+        done[b] = clock
+        del landed[b]
+    clock, wait = bwd, 0.0
+    for b in range(layers):
+        start = max(clock, done[b] + weight_copy) if b in done else clock
+        wait += start - clock
+        clock = start + fwd / layers
+    return wait
 
 
 def bottleneck(times: dict[str, float]) -> str:
