@@ -106,10 +106,11 @@ def test_step_time_by_hand_names_the_link() -> None:
 
 def test_step_time_with_the_updates_on_the_device() -> None:
     """One micro-batch per step. On the host, the next forward's first block waits for its own gradients'
-    copy home, its AdamW and its weights' copy back after the backward, and the second block for its own. On the device (``update_on_device``),
-    the embedding's weights stay there and the first block's land in its slot, neither's gradients leave,
-    neither's AdamW is between the backward and the next forward; their masters and moments stay on the device
-    (home on demand), and the streamed first block's recompute reloads its weights from its device masters."""
+    copy home, its AdamW and its weights' copy back after the backward, and the second block for its own. On
+    the device (``update_on_device``), the embedding's weights stay there and the first block's land in its
+    slot, neither's gradients leave, neither's AdamW is between the backward and the next forward; their masters
+    and moments stay on the device (home on demand), and the streamed first block's recompute reloads its
+    weights from its device masters."""
     single = RUN.replace(accumulate=1)
     on, off = make_plan(SHAPE, single.replace(update_on_device=True), HW), make_plan(SHAPE, single, HW)
     h2d_first, d2h = 4000 / 1e9, 4000 / 0.9e9
