@@ -230,7 +230,7 @@ class EngineConfig:
         and N - 1 cached ones) are cached from block 1 on: their gradients land last in the backward, so left
         to the host their AdamW would run between the backward and the next forward, which waits for each in
         turn (measured on an H100, Qwen3-30B-A3B cut to 10 layers, 22 x 2048, blocks 6-9 cached and updated on
-        the device: the GPU idle 40 % of the step, 0.54 s, most of it before the forward's blocks 1-3). The blocks
+        the device: the GPU idle 40 % of the step, 0.54 s, the largest gaps in the forward's first blocks). The blocks
         the host updates are then the last ones, whose gradients land first, their AdamW beside the rest of
         the backward. Cached blocks left to the host are the last ones. Every choice gives the same result bit
         for bit (the placement moves weights, not arithmetic)."""
