@@ -246,7 +246,8 @@ def test_the_planner_cli_prints_the_pick(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     # 10 rows: every block updated on the device (nothing for the host's updates to delay); the best, at 32 rows,
     # leaves blocks to the host, whose updates the next forward waits for (plan/timing.host_chain_wait)
-    assert out.startswith("data.batch_size=10: the planner's pick for gpt_oss_20b") and "run: micro-batch 10 x seq 2048" in out
+    assert out.startswith("data.batch_size=10: the planner's pick for gpt_oss_20b")
+    assert "run: micro-batch 10 x seq 2048" in out
     assert "update_on_device=7" in out
     assert plan_main(["model=gpt_oss_20b", "model.config.num_hidden_layers=7", "hardware=h200_126g", "hardware.micro_batch=4"]) == 0
     assert "run: micro-batch 4 x seq 2048" in capsys.readouterr().out
