@@ -8,6 +8,7 @@ Lightning-free.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -240,6 +241,17 @@ class EngineConfig:
         kept = min(self.filled().keep_activations, cached)
         early = min(cached - kept, max(int(self.update_on_device or 0) - 1, 0), max(n_blocks - 1 - kept, 0))
         return list(range(1, 1 + early)) + list(range(n_blocks - (cached - early), n_blocks))
+
+    def device_updated(self, order: Sequence[int], fixed: Collection[int]) -> list[int]:
+        """The blocks ``update_on_device=N`` updates on the device, of blocks run in the forward ``order`` with
+        fixed weight slots ``fixed``: the forward's first block (the slot the backward read last keeps its new
+        weights), then up to N - 1 blocks with fixed slots, in forward order. No other streamed block: its slot
+        is refilled before the next forward needs it. The engine passes its recorded order and its slots, the
+        planner ``range(n)`` and :meth:`fixed_blocks`."""
+        n = int(self.update_on_device or 0)
+        if n == 0 or not order:
+            return []
+        return list(order[:1]) + [b for b in order[1:] if b in fixed][: n - 1]
 
 
 def grad_buffers_for(requested: int | None, host_need_bytes: float, host_total_bytes: float) -> int:

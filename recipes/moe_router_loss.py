@@ -3,7 +3,9 @@
 Lightning's default strategy): losses, step time, and the all-zero expert gradients the engine ships.
 
 The model is a Hugging Face MoE (``--arch gpt_oss``, ``mixtral`` or ``qwen3_moe``) built from a config of
-the given size with random weights, trained on random tokens with ``output_router_logits=True`` and
+the given size with random weights, trained on random tokens (``--data random``, nothing to learn: its routers
+drift) or on addition written out (``--data arithmetic``, ``"417+86=503\n"`` as bytes: a task it learns, the loss
+falling) with ``output_router_logits=True`` and
 ``router_aux_loss_coef`` (HF's ``outputs.loss``). Per step it counts the experts of each layer that got no
 token (from the router logits the loss was built from) and the bytes of their gradient slices, which the
 engine ships with the rest of the block's slab (``docs/moe.md``). ``--coef 0`` turns the router loss off
@@ -97,12 +99,24 @@ class StepTimes(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+def tokens(kind: str, rows: int, seq_len: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """``rows`` x ``seq_len`` token ids: uniform at random, or additions of operands below 1000 as bytes."""
+    if kind == "random":
+        return torch.randint(0, vocab, (rows, seq_len), generator=g)
+    if kind != "arithmetic" or vocab < 128:
+        raise ValueError(f"--data {kind!r} with --vocab {vocab}: random, or arithmetic with a vocab of 128 or more")
+    need = rows * seq_len
+    ops = torch.randint(0, 1000, (need // 6 + 1, 2), generator=g).tolist()  # a line is 6 to 12 bytes
+    text = "".join(f"{a}+{b}={a + b}\n" for a, b in ops).encode()[:need]
+    return torch.tensor(list(text), dtype=torch.long).view(rows, seq_len)
+
+
 def run(args: argparse.Namespace, strategy: Any) -> dict[str, Any]:
     config = hf_config(args.arch, args.hidden, args.layers, args.experts, args.top_k, args.coef, args.vocab)
     pl.seed_everything(0, verbose=False)
     module = MoELM(config, args.lr)
     g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, args.vocab, (args.steps * args.micro_batch, args.seq_len), generator=g)
+    data = tokens(args.data, args.steps * args.micro_batch, args.seq_len, args.vocab, g)
     timer = StepTimes()
     trainer = pl.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision=args.precision,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -133,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--coef", type=float, default=0.5, help="router_aux_loss_coef; 0 turns the router loss off")
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--data", default="random", help="random (nothing to learn) or arithmetic (a task it learns)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)

@@ -174,9 +174,13 @@ def test_more_blocks_on_the_device_bit_for_bit(cached: int, want: list[int], blo
     """``update_on_device=3``: the first block and the cached ones (in backward order), as the host would;
     a streamed block other than the first stays on the host path. One block cached: block 1, the next
     forward's second (``EngineConfig.fixed_blocks``), so the host updates block 2, whose gradients land
-    first."""
+    first. The planner names the same blocks (one rule, ``EngineConfig.device_updated``)."""
+    from megatrain_lightning.config import EngineConfig
+    from megatrain_lightning.plan.run import device_block_ids
+
     on = fit(adamw("qwen2"), megatrain(update_on_device=3, cache_weights=cached), max_steps=4)
     assert block_updates == want * 4, block_updates
+    assert device_block_ids(EngineConfig(update_on_device=3, cache_weights=cached).for_blocks(3), 3) == want[::-1]
     off = fit(adamw("qwen2"), megatrain(update_on_device=False, cache_weights=cached), max_steps=4)
     assert_same_training(on, off)
 
@@ -204,8 +208,12 @@ def test_a_kept_block_and_an_early_cached_one_bit_for_bit(block_updates: list[in
     """Two cached blocks of three, the last kept (activations and weights through the backward) and block 1
     updated on the device in its fixed slot: the host path's result bit for bit."""
     options = dict(cache_weights=2, keep_activations=1)
+    from megatrain_lightning.config import EngineConfig
+    from megatrain_lightning.plan.run import device_block_ids
+
     on = fit(adamw("llama"), megatrain(update_on_device=2, **options), max_steps=4)
     assert block_updates == [1, 0] * 4, block_updates
+    assert device_block_ids(EngineConfig(update_on_device=2, **options).for_blocks(3), 3) == [0, 1]  # the planner's
     off = fit(adamw("llama"), megatrain(update_on_device=False, **options), max_steps=4)
     assert_same_training(on, off)
 

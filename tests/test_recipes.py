@@ -42,6 +42,20 @@ def test_moe_router_loss_recipe_matches_the_default_strategy() -> None:
     assert len(out["megatrain"]["idle_experts_per_step"]) == 3
 
 
+def test_moe_router_loss_recipe_learns_its_arithmetic() -> None:
+    """``--data arithmetic`` is a task the model learns (the loss, router loss included, falls by over a nat in
+    12 steps), written out as bytes; idle experts are counted per step as with random tokens."""
+    recipe = load("moe_router_loss")
+    rows = recipe.tokens("arithmetic", 2, 32, 256, torch.Generator().manual_seed(0))
+    assert rows.shape == (2, 32) and set(bytes(rows.flatten().tolist()).decode()) <= set("0123456789+=\n")
+    out = recipe.main(["--data", "arithmetic", "--vocab", "256", "--steps", "12"])
+    losses = out["megatrain"]["losses"]
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert len(out["megatrain"]["idle_experts_per_step"]) == 12
+    with pytest.raises(ValueError, match="--data 'arithmetic' with --vocab 64"):
+        recipe.tokens("arithmetic", 1, 8, 64, torch.Generator())
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral", "qwen3_moe"])
 def test_moe_router_loss_recipe_builds_its_gpu_size(arch: str) -> None:
     """docs/moe.md's GPU size (hidden 2880: 45 heads) has key/value heads that divide its heads (2026-12-05 on the

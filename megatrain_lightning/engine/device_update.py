@@ -268,12 +268,8 @@ def device_blocks(engine: Any) -> list[int]:
     blocks (their fixed slots keep them). No other streamed block: its slot is refilled before the next
     forward needs it (from its device masters, 12 B/param of device memory that a cached block puts to more
     use)."""
-    n = int(engine.config.update_on_device or 0)
-    if n == 0:
-        return []
     order = list(dict.fromkeys(engine.weights.recorded or range(len(engine.stores))))
-    cached = [b for b in order[1:] if b in engine.weights.slots.fixed]
-    return order[:1] + cached[: n - 1]
+    return engine.config.device_updated(order, engine.weights.slots.fixed)
 
 
 def device_moment_bytes(engine: Any, blocks: int = 1) -> int:

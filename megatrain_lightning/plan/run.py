@@ -116,9 +116,6 @@ def device_blocks(engine: EngineConfig, layers: int) -> int:
 
 
 def device_block_ids(engine: EngineConfig, layers: int) -> list[int]:
-    """Which blocks those are, by index, as ``engine/device_update.device_blocks`` takes them from the
-    forward order: block 0, then the cached blocks after it (``EngineConfig.fixed_blocks``), up to N."""
-    if not engine.update_on_device or layers < 1:
-        return []
-    cached = [b for b in engine.fixed_blocks(layers) if b > 0]
-    return [0] + cached[: max(int(engine.update_on_device) - 1, 0)]
+    """Which blocks those are, by index: the engine's rule (``EngineConfig.device_updated``) on the forward
+    order 0, 1, ... and the cached blocks (``EngineConfig.fixed_blocks``)."""
+    return engine.device_updated(range(max(layers, 0)), set(engine.fixed_blocks(layers)))
