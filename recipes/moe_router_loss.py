@@ -60,7 +60,7 @@ class MoELM(pl.LightningModule):
 
         self.model = transformers.AutoModelForCausalLM.from_config(config)
         self.lr = lr
-        self.idle: list[list[int]] = []  # per step, per MoE layer: experts without a token
+        self.idle: list[list[torch.Tensor]] = []  # per step, per MoE layer: experts without a token
 
     def training_step(self, batch: Any, _: int) -> torch.Tensor:
         (ids,) = batch
@@ -72,7 +72,7 @@ class MoELM(pl.LightningModule):
             for logits in out.router_logits:
                 hit = torch.zeros(n, dtype=torch.bool, device=logits.device)
                 hit[logits.topk(cfg.num_experts_per_tok, dim=-1).indices.reshape(-1)] = True
-                idle.append(int((~hit).sum()))  # a host sync: counting only
+                idle.append((~hit).sum())  # read after the run: no host sync in the step
             self.idle.append(idle)
         return out.loss
 
@@ -127,11 +127,12 @@ def run(args: argparse.Namespace, strategy: Any) -> dict[str, Any]:
     n = args.experts
     per_expert = [sum(p.numel() for p in layer.mlp.experts.parameters()) // n for layer in layers]
     blocks = sum(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    zero_bytes = [sum(k * e * 4 for k, e in zip(step, per_expert)) for step in module.idle]
+    idle = [[int(k) for k in step] for step in module.idle]
+    zero_bytes = [sum(k * e * 4 for k, e in zip(step, per_expert)) for step in idle]
     return {
         "losses": timer.losses,
         "step_s_median": statistics.median(timer.times[2:] or timer.times),
-        "idle_experts_per_step": [sum(s) for s in module.idle],
+        "idle_experts_per_step": [sum(s) for s in idle],
         "block_grad_bytes_per_step_fp32": blocks * 4,
         "all_zero_expert_grad_bytes_per_step_fp32": zero_bytes,
         "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
