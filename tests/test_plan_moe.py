@@ -155,6 +155,29 @@ def test_the_planned_step_counts_the_forward_waiting_for_the_host_updates() -> N
         assert abs(plan.step_s / measured - 1) <= 0.08, (plan.step_s, measured)
 
 
+# Nothing set but hardware=auto on an H100 (2026-12-06, recipes/results/2026-12-06-session25.md), the pick and the
+# placement the strategy chose, both as planned, steps 4-7: GPT-OSS-20B cut to 7 layers 1.331 s, Qwen3-30B-A3B cut
+# to 10 layers 1.078 s.
+H100_PICKS = {
+    "gpt_oss_20b": (7, 18, (0, 2, 4), 1.3310),
+    "qwen3_30b_a3b": (10, 25, (0, 4, 8), 1.0784),
+}
+
+
+@pytest.mark.parametrize("model", sorted(H100_PICKS))
+def test_the_h100_pick_and_its_planned_step_against_the_run(model: str) -> None:
+    from megatrain_lightning.plan.from_config import moe_micro_batch
+
+    layers, rows, (keep, cache, on_device), measured = H100_PICKS[model]
+    overrides = [f"model={model}", "hardware=h100", "data=synthetic", f"model.config.num_hidden_layers={layers}"]
+    picked = moe_micro_batch(_compose(overrides))
+    assert picked is not None and picked[0] == rows, picked
+    plan = plan_from_config(_compose([*overrides, f"data.batch_size={rows}"]))
+    engine = plan.run.engine
+    assert (engine.keep_activations, engine.cache_weights, engine.update_on_device) == (keep, cache, on_device)
+    assert abs(plan.step_s / measured - 1) <= 0.05, (plan.step_s, measured)
+
+
 def test_the_planner_picks_the_micro_batch_of_a_moe_left_at_the_hardware_profiles() -> None:
     """GPT-OSS-20B cut to 7 layers on the H200: at the profile's 4 rows the update of all 6.9 B parameters is a
     large part of each step; the pick is the smallest micro-batch planned within 10% of the best the device holds
