@@ -194,6 +194,41 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
     assert not on_host, on_host  # its recompute too read the weights the forward read
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "kept_saves"), [("gpt_oss, grouped_mm_gather", "matmuls"),
+                                                  ("qwen3_moe, transformers' grouped_mm", "all")])
+def test_router_loss_trains_compiled_as_the_default_strategy(case: str, kept_saves: str, caplog: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the router loss on (HF's recording hooks append each router's logits), blocks still compile: dynamo
+    breaks the graph at the hook, the logits come out of the graph before it, and they carry their gradient (the
+    block's Function returns them). Parity with the default strategy; compiled calls ran while recording, in the
+    forward (no grad) and the recompute; a kept block compiled whole with its checkpoint (Qwen3-MoE's saving
+    matmul outputs) would have no place to break, so it runs eager while recording, with no failure."""
+    from megatrain_lightning.engine import side_outputs
+
+    recorded: list[bool] = []  # grad enabled, for each compiled call made while recording
+    call = CompiledBlocks.call
+
+    def counted(self: CompiledBlocks, *args: Any, **kwargs: Any) -> Any:
+        if side_outputs.recording():
+            recorded.append(torch.is_grad_enabled())
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledBlocks, "call", counted)
+    factory = partial(MOE[case], optimizer="adamw", lr=3e-3, router_aux_loss_coef=0.5)
+    torch._dynamo.reset()
+    ref = fit(factory, None, max_steps=3)
+    got = fit(factory, megatrain(compile_blocks=True, keep_activations=1, kept_saves=kept_saves), max_steps=3)
+    assert_parity(ref, got, LOSS_RTOL, 1e-4, None)
+    assert {False, True} <= set(recorded), recorded
+    assert "torch.compile failed" not in caplog.text
+    monkeypatch.setattr(side_outputs, "recording", lambda: True)  # as while a collector records
+    block = CompiledBlocks(True, checked={0}, blocks=list(got.module.model.model.layers[:1]))
+    assert block.runs(0, object(), matmuls_only=False)
+    assert block.runs(0, object(), matmuls_only=True) == (case not in INSIDE)  # compiled around its experts
+    block.close()
+
+
 THIRD_PARTY = {
     "nn.TransformerEncoder with dropout": partial(ZOO["encoder"], optimizer="sgd", lr=0.05, momentum=0.9),
     "a Llama, every block kept whole": partial(ZOO["llama"], optimizer="adamw", lr=3e-3),

@@ -20,8 +20,8 @@
     within 1%.
 (g) router auxiliary losses (``router_aux_loss_coef=0.5``, HF's own ``outputs.loss``) on tiny Mixtral, Qwen3-MoE and
     GPT-OSS (experts on ``grouped_mm_gather``), ``compile_blocks=True``, one block kept saving matmul outputs: fp32 at
-    the bar of (a). A forward that records router logits runs eager (``engine/compiled.py``); only recomputes, which
-    record nothing, may run compiled (2026-12-05, H100: none ran for Mixtral and GPT-OSS, 10 for Qwen3-MoE).
+    the bar of (a). Blocks compile while router logits are recorded (a graph break at the recording hook,
+    ``engine/compiled.py``); a kept one compiled whole with its checkpoint (Qwen3-MoE's) runs eager then.
 """
 
 from __future__ import annotations
@@ -187,4 +187,4 @@ def test_cuda_router_loss_fp32_parity(no_tf32: None, compiled_calls: list[bool],
     factory = partial(ZOO[name], experts_implementation="grouped_mm_gather", router_aux_loss_coef=0.5,
                       optimizer="adamw", lr=3e-3)
     _compiled_fp32_parity(f"(g) {name} with its router loss, keep 1 (matmuls)", factory,
-                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls, compiles=False)
+                          {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)

@@ -12,9 +12,12 @@ the compiled code: its parameters are inputs of the graph, which the engine bind
 with the block's weights already bound (``block_call.run_bound``). A kept block that saves matmul outputs
 only (``selective.py``) is compiled with its selective checkpoint inside, so that the partitioner, not a
 replay in Python, recomputes the elementwise ops in the backward. Eager instead: a block's first call (it is
-the one checked for buffer updates), a call while transformers records outputs (router logits: the
-recording hooks' appends stay out of any graph), and a function whose compilation failed (one warning; the
-run goes on eager, exactly as before). Random ops (dropout) draw from torch's generator as eager ones do
+the one checked for buffer updates), a call that must compile whole (a kept block saving matmul outputs with its
+checkpoint inside) while transformers records outputs, and a function whose compilation failed (one warning;
+the run goes on eager, exactly as before). Other calls compile while router logits are recorded: dynamo breaks
+the graph at the recording hook (its ``ContextVar.get``), which runs eager, appending the router's output, a
+tensor of the graph before the break, and the rest of the block compiles from there (``side_outputs`` takes
+what was appended, with grad in the recompute, as it does eager). Random ops (dropout) draw from torch's generator as eager ones do
 (inductor's ``fallback_random``): the masks are the eager module's, and a recompute replays its forward's.
 
 Experts: grouped GEMM experts without biases (``experts_implementation`` ``grouped_mm`` or ``grouped_mm_gather``:
@@ -124,9 +127,11 @@ class CompiledBlocks:
     def runs(self, block: int, original: Callable[..., Any], matmuls_only: bool = False) -> bool:
         """Whether block ``block``'s next call (its class function ``original``; ``matmuls_only``: saving matmul
         outputs only) runs compiled."""
+        around = block in self.around_experts
+        whole = matmuls_only and not around  # compiled with fullgraph: no break at a recording hook
         return (self.enabled and block in self.checked and block not in self.eager
-                and (original, matmuls_only, block in self.around_experts) not in self._failed
-                and not side_outputs.recording())
+                and (original, matmuls_only, around) not in self._failed
+                and not (whole and side_outputs.recording()))
 
     def call(self, block: int, original: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
              matmuls_only: bool = False) -> Any:
