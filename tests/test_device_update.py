@@ -207,10 +207,10 @@ def test_the_blocks_the_device_updates_are_cached_from_the_second_on() -> None:
 def test_a_kept_block_and_an_early_cached_one_bit_for_bit(block_updates: list[int]) -> None:
     """Two cached blocks of three, the last kept (activations and weights through the backward) and block 1
     updated on the device in its fixed slot: the host path's result bit for bit."""
-    options = dict(cache_weights=2, keep_activations=1)
     from megatrain_lightning.config import EngineConfig
     from megatrain_lightning.plan.run import device_block_ids
 
+    options = dict(cache_weights=2, keep_activations=1)
     on = fit(adamw("llama"), megatrain(update_on_device=2, **options), max_steps=4)
     assert block_updates == [1, 0] * 4, block_updates
     assert device_block_ids(EngineConfig(update_on_device=2, **options).for_blocks(3), 3) == [0, 1]  # the planner's

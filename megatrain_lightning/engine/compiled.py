@@ -17,8 +17,10 @@ checkpoint inside) while transformers records outputs, and a function whose comp
 the run goes on eager, exactly as before). Other calls compile while router logits are recorded: dynamo breaks
 the graph at the recording hook (its ``ContextVar.get``), which runs eager, appending the router's output, a
 tensor of the graph before the break, and the rest of the block compiles from there (``side_outputs`` takes
-what was appended, with grad in the recompute, as it does eager). Random ops (dropout) draw from torch's generator as eager ones do
-(inductor's ``fallback_random``): the masks are the eager module's, and a recompute replays its forward's.
+what was appended, with grad in the recompute, as it does eager): Qwen3-30B-A3B cut to 10 layers with its router
+loss on an H100, 272.9 model TFLOPS against 207.0 eager (2026-12-06). Random ops (dropout) draw from torch's
+generator as eager ones do (inductor's ``fallback_random``): the masks are the eager module's, and a recompute
+replays its forward's.
 
 Experts: grouped GEMM experts without biases (``experts_implementation`` ``grouped_mm`` or ``grouped_mm_gather``:
 Qwen3-MoE's, Mixtral's...) compile inside their block's graph, their sorting gathers, casts and weighting fused
