@@ -5,6 +5,7 @@
 # timed, step 8 profiled (GPU compute, copies each way, GPU idle, host AdamW); then the resident baseline side by side:
 # GPT-OSS-20B cut to 4 layers all on the GPU (Lightning's SingleDeviceStrategy) and streamed, both at 8 x 2048.
 # Last, the GPU parity tests of the device-updated blocks (EngineConfig.device_updated, one rule for engine and planner).
+# ROUTER=1 (added after call 1, for the next H200): then GPT-OSS-20B at 7 layers with its router loss on.
 # On an H100 (no resident baseline fits its 80 GB): the two shapes at the H100 picks, then tests/test_auto_placement_cuda.py.
 set -u
 B=${BUDGET:-570}
@@ -27,6 +28,7 @@ bench qwen3_10_picked 210 "model=qwen3_30b_a3b model.config.num_hidden_layers=10
 if [ $MACHINE = nvidia-h200 ]; then
   bench gpt_oss_4_resident_8 140 "model=gpt_oss_20b model.config.num_hidden_layers=4 $RUN data.batch_size=8 strategy=single_device"
   bench gpt_oss_4_megatrain_8 120 "model=gpt_oss_20b model.config.num_hidden_layers=4 $RUN data.batch_size=8"
+  [ -n "${ROUTER:-}" ] && bench gpt_oss_7_router_loss 150 "model=gpt_oss_20b model.config.num_hidden_layers=7 $RUN model.config.output_router_logits=true"
 else
   LEFT=$((B - SECONDS - 60)); [ $LEFT -gt 60 ] && timeout $LEFT python3 -m pytest -q -x -s tests/test_auto_placement_cuda.py > $OUT/auto_placement.log 2>&1; echo "auto_placement rc=$?"; tail -25 $OUT/auto_placement.log
 fi
