@@ -129,11 +129,14 @@ class CompiledBlocks:
     def runs(self, block: int, original: Callable[..., Any], matmuls_only: bool = False) -> bool:
         """Whether block ``block``'s next call (its class function ``original``; ``matmuls_only``: saving matmul
         outputs only) runs compiled."""
-        around = block in self.around_experts
-        whole = matmuls_only and not around  # compiled with fullgraph: no break at a recording hook
         return (self.enabled and block in self.checked and block not in self.eager
-                and (original, matmuls_only, around) not in self._failed
-                and not (whole and side_outputs.recording()))
+                and (original, matmuls_only, block in self.around_experts) not in self._failed
+                and not (self._fullgraph(block, matmuls_only) and side_outputs.recording()))  # no place to break
+
+    def _fullgraph(self, block: int, matmuls_only: bool) -> bool:
+        """Whether block ``block``'s call compiles as one graph: a kept block saving matmul outputs, its selective
+        checkpoint inside (not around experts, whose own checkpoint runs eager between two graphs)."""
+        return matmuls_only and block not in self.around_experts
 
     def call(self, block: int, original: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
              matmuls_only: bool = False) -> Any:
@@ -149,7 +152,7 @@ class CompiledBlocks:
             # run in the backward, after the block's weights were unbound; compiling whole or not at all. Around
             # experts (a graph break each side) the checkpoint is theirs alone (_outside_graphs).
             fn = self._compiled[key] = (torch.compile(partial(saving_matmuls, original), fullgraph=True)
-                                        if matmuls_only and not around_experts else torch.compile(original))
+                                        if self._fullgraph(block, matmuls_only) else torch.compile(original))
         saving = _experts_save_matmuls.set(matmuls_only and around_experts)
         try:
             with _checkpoint_side_effects_not_replayed(), _eager_random():
