@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from compat_zoo import assert_frozen_unchanged, frozen_names
 from conftest import LOSS_RTOL, assert_parity, compare_losses, compare_states, fit, megatrain, run_parity
@@ -195,38 +196,94 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "kept_saves"), [("gpt_oss, grouped_mm_gather", "matmuls"),
-                                                  ("qwen3_moe, transformers' grouped_mm", "all")])
-def test_router_loss_trains_compiled_as_the_default_strategy(case: str, kept_saves: str, caplog: Any,
+@pytest.mark.parametrize(("case", "keep", "kept_saves"), [("gpt_oss, grouped_mm_gather", 1, "matmuls"),
+                                                          ("qwen3_moe, transformers' grouped_mm", 1, "all"),
+                                                          ("qwen3_moe, transformers' grouped_mm", 3, "matmuls")])
+def test_router_loss_trains_compiled_as_the_default_strategy(case: str, keep: int, kept_saves: str, caplog: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With the router loss on (HF's recording hooks append each router's logits), blocks still compile: dynamo
     breaks the graph at the hook, the logits come out of the graph before it, and they carry their gradient (the
-    block's Function returns them). Parity with the default strategy; compiled calls ran while recording, in the
-    forward (no grad) and the recompute; a kept block compiled whole with its checkpoint (Qwen3-MoE's saving
-    matmul outputs) would have no place to break, so it runs eager while recording, with no failure."""
+    block's Function returns them). A kept block compiled whole with its checkpoint (Qwen3-MoE's saving matmul
+    outputs) has no place to break: transformers' collector is read as a plain attribute there, one compilation
+    for every layer. Parity with the default strategy; compiled calls ran while recording, in the forward (no
+    grad) and the recompute, and the whole kept block's, with no failure."""
     from megatrain_lightning.engine import side_outputs
 
     recorded: list[bool] = []  # grad enabled, for each compiled call made while recording
+    whole: list[Any] = []  # the compiled function of each call compiled as one graph while recording
     call = CompiledBlocks.call
 
-    def counted(self: CompiledBlocks, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: CompiledBlocks, block: int, original: Any, module: Any, args: tuple, kwargs: dict,
+                matmuls_only: bool = False) -> Any:
         if side_outputs.recording():
             recorded.append(torch.is_grad_enabled())
-        return call(self, *args, **kwargs)
+            if self._fullgraph(block, matmuls_only):
+                whole.append(original)
+        return call(self, block, original, module, args, kwargs, matmuls_only)
 
     monkeypatch.setattr(CompiledBlocks, "call", counted)
     factory = partial(MOE[case], optimizer="adamw", lr=3e-3, router_aux_loss_coef=0.5)
     torch._dynamo.reset()
     ref = fit(factory, None, max_steps=3)
-    got = fit(factory, megatrain(compile_blocks=True, keep_activations=1, kept_saves=kept_saves), max_steps=3)
+    torch._dynamo.utils.counters.clear()
+    got = fit(factory, megatrain(compile_blocks=True, keep_activations=keep, kept_saves=kept_saves), max_steps=3)
     assert_parity(ref, got, LOSS_RTOL, 1e-4, None)
-    assert {False, True} <= set(recorded), recorded
-    assert "torch.compile failed" not in caplog.text
-    monkeypatch.setattr(side_outputs, "recording", lambda: True)  # as while a collector records
-    block = CompiledBlocks(True, checked={0}, blocks=list(got.module.model.model.layers[:1]))
-    assert block.runs(0, object(), matmuls_only=False)
-    assert block.runs(0, object(), matmuls_only=True) == (case not in INSIDE)  # compiled around its experts
-    block.close()
+    assert bool(whole) == (case in INSIDE and kept_saves == "matmuls")
+    # transformers 5.17's CPU grouped_mm has a backward AOT autograd cannot trace (as in the test above): the whole
+    # block's first compiled call fails, one warning, and it runs eager from there
+    untraceable = bool(whole) and not hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
+    assert ("torch.compile failed" not in caplog.text) or untraceable, caplog.text
+    if whole and not untraceable:  # every block kept, compiled whole in steps 2-3 (the first call is eager), in 2
+        # graphs: the MoE layers' (0 and 2: one, though the collector's lists differ in length between them) and the
+        # dense layer's (1)
+        assert len(whole) == 2 * 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    elif not whole:  # streamed blocks: forward and recompute
+        assert {False, True} <= set(recorded), recorded
+
+
+@pytest.mark.slow
+def test_recording_hooks_installed_after_blocks_compiled() -> None:
+    """transformers installs its recording hooks lazily, at the first call that records: blocks of the same class
+    compiled before in the process (a run without the router loss) had none. Dynamo's default does not guard on
+    hooks, so those graphs ran without them: a compiled kept block's logits missing from the loss (silently where
+    other layers still recorded; here none did, and transformers' loss fails on the empty tuple), a streamed block's
+    recompute refused. Compiled blocks guard on their submodules' hooks: the run with the router loss after one
+    without it trains as Lightning's default strategy."""
+    case = "qwen3_moe, transformers' grouped_mm"
+    torch._dynamo.reset()
+    placement = {"compile_blocks": True, "keep_activations": 3, "kept_saves": "all"}
+    fit(partial(MOE[case], optimizer="adamw", lr=3e-3), megatrain(**placement), max_steps=3)
+    factory = partial(MOE[case], optimizer="adamw", lr=3e-3, router_aux_loss_coef=0.5)
+    ref = fit(factory, None, max_steps=3)
+    assert_parity(ref, fit(factory, megatrain(**placement), max_steps=3), LOSS_RTOL, 1e-4, None)
+
+
+class CountsMlpCalls(Callback):
+    """Registers a forward hook on every block's MLP at the third step (a user's activation statistics would)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            for layer in module.model.model.layers:
+                layer.mlp.register_forward_hook(self.count)
+
+    def count(self, *_: Any) -> None:
+        self.calls += 1
+
+
+@pytest.mark.slow
+def test_a_hook_registered_mid_run_runs_in_compiled_blocks(compiled_calls: list) -> None:
+    """A forward hook a callback registers after the blocks compiled runs in them as in eager blocks: as many calls
+    (the forward's and the recompute's) with compile_blocks=True as with False."""
+    factory = partial(ZOO["llama"], optimizer="adamw", lr=3e-3)
+    counts = []
+    for compiled in (False, True):
+        hook = CountsMlpCalls()
+        fit(factory, megatrain(compile_blocks=compiled, keep_activations=1), max_steps=4, callbacks=[hook])
+        counts.append(hook.calls)
+    assert compiled_calls and counts[0] > 0 and counts[1] == counts[0], counts
 
 
 THIRD_PARTY = {

@@ -17,11 +17,15 @@
 (e) a tiny Qwen3-MoE (experts on ``grouped_mm_gather``, no biases): compiled inside its blocks' graphs, the same.
 (f) the same Qwen3-MoE in bf16-mixed, where its experts run torch's grouped GEMM inside the compiled graphs (fp32 takes
     transformers' fallback op): the default against ``compile_blocks=False``, the mean of the last 10 of 30 losses
-    within 1%.
+    within 1%; and with its router loss, the kept block compiled whole with the recording hook inside its graph at
+    every step but the first.
 (g) router auxiliary losses (``router_aux_loss_coef=0.5``, HF's own ``outputs.loss``) on tiny Mixtral, Qwen3-MoE and
     GPT-OSS (experts on ``grouped_mm_gather``), ``compile_blocks=True``, one block kept saving matmul outputs: fp32 at
     the bar of (a). Blocks compile while router logits are recorded (a graph break at the recording hook,
-    ``engine/compiled.py``); a kept one compiled whole with its checkpoint (Qwen3-MoE's) runs eager then.
+    ``engine/compiled.py``). A kept one compiled whole with its checkpoint (Mixtral's and Qwen3-MoE's, experts inside)
+    would compile with the hook inside its graph (``side_outputs.in_one_graph``), but in fp32 transformers' fallback
+    grouped mm (5.17) cannot be traced whole and it runs eager after one failed compilation, as in (e); (f) runs it
+    compiled, in bf16.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, rel_diff
 from megatrain_lightning.config import STREAMING
+from megatrain_lightning.engine import side_outputs
 from megatrain_lightning.engine.compiled import CompiledBlocks
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.models import expert_routing  # noqa: F401  registers "grouped_mm_gather"
@@ -45,12 +50,17 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 @pytest.fixture
 def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per compiled block call: whether it ran compiled whole (one graph, not a failed compilation's
+    eager fallback) while router logits were recorded."""
     calls: list[bool] = []
     call = CompiledBlocks.call
 
-    def counted(self: CompiledBlocks, *args: Any, **kwargs: Any) -> Any:
-        calls.append(True)
-        return call(self, *args, **kwargs)
+    def counted(self: CompiledBlocks, block: int, original: Any, module: Any, args: tuple, kwargs: dict,
+                matmuls_only: bool = False) -> Any:
+        whole = self._fullgraph(block, matmuls_only) and side_outputs.recording()
+        out = call(self, block, original, module, args, kwargs, matmuls_only)
+        calls.append(whole and (original, matmuls_only, block in self.around_experts) not in self._failed)
+        return out
 
     monkeypatch.setattr(CompiledBlocks, "call", counted)
     return calls
@@ -68,7 +78,8 @@ def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int,
     worst_loss = max(abs(g - r) / abs(r) for r, g in zip(ref.losses, got.losses))
     worst_param = max(rel_diff(ref.state[k], got.state[k]) for k in ref.state)
     print(f"\n{label}, fp32 TF32-off, {steps} steps: worst loss rel diff {worst_loss:.2e}, worst param "
-          f"{worst_param:.2e}; {len(compiled_calls)} compiled block calls")
+          f"{worst_param:.2e}; {len(compiled_calls)} compiled block calls ({sum(compiled_calls)} whole while "
+          "recording)")
     assert len(compiled_calls) > 0 or not compiles
     compare_losses(ref.losses, got.losses, rtol=1e-4)
     compare_states(ref.state, got.state, rtol=1e-3)
@@ -166,18 +177,23 @@ def test_cuda_moe_compiled_inside_its_blocks_fp32_parity(no_tf32: None,  # noqa:
                           {"keep_activations": 1, "kept_saves": "matmuls"}, 10, compiled_calls)
 
 
-def test_cuda_moe_compiled_inside_bf16_trains_like_eager(compiled_calls: list[bool]) -> None:
+@pytest.mark.parametrize("router_loss", [False, True])
+def test_cuda_moe_compiled_inside_bf16_trains_like_eager(compiled_calls: list[bool], router_loss: bool) -> None:
     steps = 30
-    factory = partial(ZOO["qwen3_moe"], experts_implementation="grouped_mm_gather", optimizer="adamw", lr=3e-3)
+    factory = partial(ZOO["qwen3_moe"], experts_implementation="grouped_mm_gather", optimizer="adamw", lr=3e-3,
+                      **({"router_aux_loss_coef": 0.5} if router_loss else {}))
     placement = {**STREAMING, "keep_activations": 1, "kept_saves": "matmuls"}
     eager = fit(factory, megatrain(**placement, compile_blocks=False), max_steps=steps, precision="bf16-mixed", **CUDA)
     assert not compiled_calls
     got = fit(factory, megatrain(**placement), max_steps=steps, precision="bf16-mixed", **CUDA)
     diff = abs(_last10(got.losses) - _last10(eager.losses)) / _last10(eager.losses)
-    print(f"\n(f) bf16, tiny Qwen3-MoE, keep 1 (matmuls), {steps} steps: last-10 mean eager {_last10(eager.losses):.4f}, "
-          f"compiled with its experts inside (the default) {_last10(got.losses):.4f} ({100 * diff:.3f}%); "
-          f"{len(compiled_calls)} compiled calls")
+    print(f"\n(f) bf16, tiny Qwen3-MoE{' with its router loss' if router_loss else ''}, keep 1 (matmuls), {steps} "
+          f"steps: last-10 mean eager {_last10(eager.losses):.4f}, compiled with its experts inside (the default) "
+          f"{_last10(got.losses):.4f} ({100 * diff:.3f}%); {len(compiled_calls)} compiled calls "
+          f"({sum(compiled_calls)} whole while recording)")
     assert compiled_calls
+    # the kept block, compiled whole with the recording hook inside, at every step but the first (eager, checked)
+    assert sum(compiled_calls) == (steps - 1 if router_loss else 0)
     assert _last10(got.losses) < got.losses[0]
     assert diff <= 0.01
 

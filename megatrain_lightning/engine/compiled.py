@@ -12,13 +12,15 @@ the compiled code: its parameters are inputs of the graph, which the engine bind
 with the block's weights already bound (``block_call.run_bound``). A kept block that saves matmul outputs
 only (``selective.py``) is compiled with its selective checkpoint inside, so that the partitioner, not a
 replay in Python, recomputes the elementwise ops in the backward. Eager instead: a block's first call (it is
-the one checked for buffer updates), a call that must compile whole (a kept block saving matmul outputs with its
-checkpoint inside) while transformers records outputs, and a function whose compilation failed (one warning;
-the run goes on eager, exactly as before). Other calls compile while router logits are recorded: dynamo breaks
-the graph at the recording hook (its ``ContextVar.get``), which runs eager, appending the router's output, a
-tensor of the graph before the break, and the rest of the block compiles from there (``side_outputs`` takes
-what was appended, with grad in the recompute, as it does eager): Qwen3-30B-A3B cut to 10 layers with its router
-loss on an H100, 272.9 model TFLOPS against 207.0 eager (2026-12-06). Random ops (dropout) draw from torch's
+the one checked for buffer updates) and a function whose compilation failed (one warning; the run goes on eager,
+exactly as before). Blocks compile while router logits are recorded: dynamo breaks the graph at the recording
+hook (its ``ContextVar.get``), which runs eager, appending the router's output, a tensor of the graph before the
+break, and the rest of the block compiles from there (``side_outputs`` takes what was appended, with grad in the
+recompute, as it does eager): Qwen3-30B-A3B cut to 10 layers with its router loss on an H100, 272.9 model TFLOPS
+against 207.0 eager (2026-12-06). A call that must compile whole (a kept block saving matmul outputs, its
+checkpoint inside) has no place to break: there the hook reads transformers' collector as a plain attribute and
+appends inside the graph (``side_outputs.in_one_graph``); where it cannot (``output_hidden_states``, a collector
+already compiling) the call runs eager. Random ops (dropout) draw from torch's
 generator as eager ones do (inductor's ``fallback_random``): the masks are the eager module's, and a recompute
 replays its forward's.
 
@@ -131,7 +133,8 @@ class CompiledBlocks:
         outputs only) runs compiled."""
         return (self.enabled and block in self.checked and block not in self.eager
                 and (original, matmuls_only, block in self.around_experts) not in self._failed
-                and not (self._fullgraph(block, matmuls_only) and side_outputs.recording()))  # no place to break
+                and not (self._fullgraph(block, matmuls_only) and side_outputs.recording()
+                         and not side_outputs.traceable()))  # no place to break at the recording hook
 
     def _fullgraph(self, block: int, matmuls_only: bool) -> bool:
         """Whether block ``block``'s call compiles as one graph: a kept block saving matmul outputs, its selective
@@ -154,8 +157,10 @@ class CompiledBlocks:
             fn = self._compiled[key] = (torch.compile(partial(saving_matmuls, original), fullgraph=True)
                                         if self._fullgraph(block, matmuls_only) else torch.compile(original))
         saving = _experts_save_matmuls.set(matmuls_only and around_experts)
+        recorder = (side_outputs.in_one_graph() if self._fullgraph(block, matmuls_only) and side_outputs.recording()
+                    else contextlib.nullcontext())
         try:
-            with _checkpoint_side_effects_not_replayed(), _eager_random():
+            with _checkpoint_side_effects_not_replayed(), _eager_random(), _hooks_guarded(), recorder:
                 return fn(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             self._failed.add(key)
@@ -210,6 +215,17 @@ def _eager_random() -> Any:
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(fallback_random=True)
+
+
+def _hooks_guarded() -> Any:
+    # A compiled block runs its submodules' hooks as eager calls would: dynamo guards on them and recompiles when one
+    # is added or removed. By default it does not (skip_nnmodule_hook_guards, "unsafe" in torch's words) and would run
+    # the graph first compiled: transformers installs its recording hooks lazily, at the first call that records
+    # router logits, so blocks compiled in a run without them recorded nothing in a later one of the process (a
+    # streamed block's recompute then refused; a kept block's logits missing from the loss, silently where other
+    # layers recorded), and a hook a callback registers mid-run was skipped. Guarding costs no recompilation across
+    # layers whose hooks are alike (tests/test_compiled_blocks.py, the router loss compiled whole).
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
 
 
 def _checkpoint_side_effects_not_replayed() -> Any:

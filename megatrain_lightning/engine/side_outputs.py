@@ -161,6 +161,41 @@ def recompute(recorded: Recorded | None, run: Callable[[], Any], block: int) -> 
     return out, tensors
 
 
+def traceable() -> bool:
+    """Whether the active collector can be handed to a call compiled as one graph (:func:`in_one_graph`): what
+    transformers records inside a block needs no length of what was recorded before (every key but
+    ``hidden_states``, whose hook prepends the first layer's input to an empty list), through transformers'
+    ``CompileableContextVar`` (its ``compiling`` and ``global_var``)."""
+    var = _collector_var()
+    collector = var.get() if var is not None else None
+    return (bool(collector) and "hidden_states" not in collector
+            and getattr(var, "compiling", None) is False and hasattr(var, "global_var"))
+
+
+@contextlib.contextmanager
+def in_one_graph() -> Iterator[None]:
+    """The active collector, readable from inside one compiled graph, around a call compiled whole
+    (``fullgraph``, no place to break at transformers' recording hook, which reads a ``ContextVar``).
+
+    transformers' ``CompileableContextVar`` reads a plain attribute instead of its ``ContextVar`` while its
+    ``compiling`` is set (what it does itself under a compiled model). The hooks inside the graph append to fresh
+    empty lists (the lengths dynamo guards on are then the same at every layer: one compilation for all of
+    them), the graph returns what they appended, and it is added to the collector's lists in order after the
+    call, as the eager hooks would have appended it. Only where :func:`traceable`; the attribute is reset on any
+    exit. Not thread-safe, as transformers' own compiled path: one engine runs its blocks from one thread."""
+    var = _collector_var()
+    collector = var.get()
+    fresh = {k: [] if isinstance(v, list) else v for k, v in collector.items()}
+    var.global_var, var.compiling = fresh, True
+    try:
+        yield
+    finally:
+        var.global_var, var.compiling = None, False
+    for key, value in fresh.items():
+        if isinstance(value, list):
+            collector[key].extend(value)
+
+
 @contextlib.contextmanager
 def silenced() -> Iterator[None]:
     """No collector while a block is run again for its gradients only (a recompute with nothing recorded,
