@@ -182,7 +182,8 @@ def in_one_graph() -> Iterator[None]:
     empty lists (the lengths dynamo guards on are then the same at every layer: one compilation for all of
     them), the graph returns what they appended, and it is added to the collector's lists in order after the
     call, as the eager hooks would have appended it. Only where :func:`traceable`; the attribute is reset on any
-    exit. Not thread-safe, as transformers' own compiled path: one engine runs its blocks from one thread."""
+    exit. Not thread-safe, as transformers' own compiled path is not: the engine makes one block call at a time
+    (the forward's on the main thread, the backward's recomputes on autograd's, never both at once)."""
     var = _collector_var()
     collector = var.get()
     fresh = {k: [] if isinstance(v, list) else v for k, v in collector.items()}
