@@ -160,7 +160,7 @@ class CompiledBlocks:
         recorder = (side_outputs.in_one_graph() if self._fullgraph(block, matmuls_only) and side_outputs.recording()
                     else contextlib.nullcontext())
         try:
-            with _checkpoint_side_effects_not_replayed(), _eager_random(), _hooks_guarded(), recorder:
+            with _dynamo_settings(), _eager_random(), recorder:
                 return fn(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             self._failed.add(key)
@@ -217,22 +217,22 @@ def _eager_random() -> Any:
     return inductor_config.patch(fallback_random=True)
 
 
-def _hooks_guarded() -> Any:
-    # A compiled block runs its submodules' hooks as eager calls would: dynamo guards on them and recompiles when one
-    # is added or removed. By default it does not (skip_nnmodule_hook_guards, "unsafe" in torch's words) and would run
-    # the graph first compiled: transformers installs its recording hooks lazily, at the first call that records
-    # router logits, so blocks compiled in a run without them recorded nothing in a later one of the process (a
-    # streamed block's recompute then refused; a kept block's logits missing from the loss, silently where other
-    # layers recorded), and a hook a callback registers mid-run was skipped. Guarding costs no recompilation across
-    # layers whose hooks are alike (tests/test_compiled_blocks.py, the router loss compiled whole).
-    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
-
-
-def _checkpoint_side_effects_not_replayed() -> Any:
-    # transformers' decoder layers (5.25, on the CPU) set a context variable in their forward, which dynamo refuses
-    # inside a checkpointed region ("HOP: Unsafe side effect") unless told that the recompute need not replay it;
-    # the recompute records nothing anyway (block.py silences it under eager selective saving too).
+def _dynamo_settings() -> Any:
+    """What dynamo is told around a compiled block call (one patch of its config: each costs ~12 us a call)."""
+    settings = {
+        # A compiled block runs its submodules' hooks as eager calls would: dynamo guards on them and recompiles
+        # when one is added or removed. By default it does not ("unsafe" in torch's words) and would run the graph
+        # first compiled: transformers installs its recording hooks lazily, at the first call that records router
+        # logits, so blocks compiled in a run without them recorded nothing in a later one of the process (a
+        # streamed block's recompute then refused; a kept block's logits missing from the loss, silently where
+        # other layers recorded), and a hook a callback registers mid-run was skipped. Guarding costs no
+        # recompilation across layers whose hooks are alike (tests/test_compiled_blocks.py, the router loss
+        # compiled whole), ~4 us a call.
+        "skip_nnmodule_hook_guards": False,
+        # transformers' decoder layers (5.25, on the CPU) set a context variable in their forward, which dynamo
+        # refuses inside a checkpointed region ("HOP: Unsafe side effect") unless told that the recompute need not
+        # replay it; the recompute records nothing anyway (block.py silences it under eager selective saving too).
+        "skip_fwd_side_effects_in_bwd_under_checkpoint": True,
+    }
     config = torch._dynamo.config
-    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-    return contextlib.nullcontext()
+    return config.patch(**{k: v for k, v in settings.items() if hasattr(config, k)})
