@@ -14,7 +14,9 @@ import argparse
 import csv
 import datetime
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -28,13 +30,18 @@ COLUMNS = ["date", "machine", "command", "model", "params", "strategy", "micro_b
 def run(overrides: list[str], out_dir: Path, timeout: int) -> dict:
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={out_dir}"]
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        out_dir.mkdir(parents=True, exist_ok=True)  # what the run printed (callbacks' reports included)
-        (out_dir / "output.log").write_text(proc.stdout + proc.stderr)
-    except subprocess.TimeoutExpired:
-        rc, tail = -1, [f"timed out after {timeout} s"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "output.log"  # what the run printed (callbacks' reports included), written as it runs
+    with log.open("w") as f:  # its own process group: a timeout kills inductor's compile workers too, and what
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+        try:  # the run printed up to then stays in output.log
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -1
+    lines = log.read_text(errors="replace").strip().splitlines()
+    tail = [f"timed out after {timeout} s"] if rc == -1 else lines[-1:] or ["?"]
     row: dict = {"date": str(datetime.date.today()), "command": "python train.py " + shlex.join(overrides)}
     for name in ("run_info.json", "metrics.json"):
         if (out_dir / name).is_file():
@@ -43,7 +50,7 @@ def run(overrides: list[str], out_dir: Path, timeout: int) -> dict:
     print(f"{row['command']}: {row['status']} in {time.time() - t0:.0f} s; step {row.get('step_s')} s "
           f"(planned {row.get('predicted_step_s')}), {row.get('tflops')} TFLOPS; placement {row.get('placement')}", flush=True)
     if rc != 0:
-        print(((proc.stderr if rc > 0 else "") or "")[-3000:], file=sys.stderr)
+        print("\n".join(lines[-40:])[-3000:], file=sys.stderr)
     return row
 
 
