@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA is not available"):
             recipe.main(["--name", "here"])
+
+
+def test_bench_keeps_what_a_timed_out_run_printed(tmp_path) -> None:
+    """recipes/bench.py: a run past its timeout is killed with its process group (its subprocesses, inductor's
+    compile workers, could hold captured pipes open past the timeout), and what it printed until then stays in its
+    output.log (before, a timed-out run left none)."""
+    out = tmp_path / "run"
+    row = load("bench").run(["trainer.max_steps=1000000", "trainer.val_check_interval=1000000"], out, timeout=20)
+    assert row["status"] == "error (exit -1): timed out after 20 s", row["status"]
+    assert "megatrain" in (out / "output.log").read_text().lower()
+    alive = [c for c in Path("/proc").glob("[0-9]*/cmdline") if str(out) in c.read_text(errors="replace")]
+    assert not alive, alive
 
 
 @pytest.mark.slow
