@@ -34,14 +34,15 @@ def run(overrides: list[str], out_dir: Path, timeout: int) -> dict:
     log = out_dir / "output.log"  # what the run printed (callbacks' reports included), written as it runs
     with log.open("w") as f:  # its own process group: a timeout kills inductor's compile workers too, and what
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
+        timed_out = False
         try:  # the run printed up to then stays in output.log
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            rc = -1
+            rc, timed_out = -1, True
     lines = log.read_text(errors="replace").strip().splitlines()
-    tail = [f"timed out after {timeout} s"] if rc == -1 else lines[-1:] or ["?"]
+    tail = [f"timed out after {timeout} s"] if timed_out else lines[-1:] or ["?"]
     row: dict = {"date": str(datetime.date.today()), "command": "python train.py " + shlex.join(overrides)}
     for name in ("run_info.json", "metrics.json"):
         if (out_dir / name).is_file():

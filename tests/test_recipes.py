@@ -30,7 +30,18 @@ def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None
             recipe.main(["--name", "here"])
 
 
-def test_bench_keeps_what_a_timed_out_run_printed(tmp_path) -> None:
+def _command_lines() -> list[str]:
+    """The command line of every process running here."""
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # the process ended meanwhile
+            pass
+    return lines
+
+
+def test_bench_keeps_what_a_timed_out_run_printed(tmp_path: Path) -> None:
     """recipes/bench.py: a run past its timeout is killed with its process group (its subprocesses, inductor's
     compile workers, could hold captured pipes open past the timeout), and what it printed until then stays in its
     output.log (before, a timed-out run left none)."""
@@ -38,7 +49,7 @@ def test_bench_keeps_what_a_timed_out_run_printed(tmp_path) -> None:
     row = load("bench").run(["trainer.max_steps=1000000", "trainer.val_check_interval=1000000"], out, timeout=20)
     assert row["status"] == "error (exit -1): timed out after 20 s", row["status"]
     assert "megatrain" in (out / "output.log").read_text().lower()
-    alive = [c for c in Path("/proc").glob("[0-9]*/cmdline") if str(out) in c.read_text(errors="replace")]
+    alive = [c for c in _command_lines() if str(out) in c]
     assert not alive, alive
 
 
