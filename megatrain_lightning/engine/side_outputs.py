@@ -181,17 +181,18 @@ def in_one_graph() -> Iterator[None]:
     ``compiling`` is set (what it does itself under a compiled model). The hooks inside the graph append to fresh
     empty lists (the lengths dynamo guards on are then the same at every layer: one compilation for all of
     them), the graph returns what they appended, and it is added to the collector's lists in order after the
-    call, as the eager hooks would have appended it. Only where :func:`traceable`; the attribute is reset on any
-    exit. Not thread-safe, as transformers' own compiled path is not: the engine makes one block call at a time
+    call, as the eager hooks would have appended it. Only where :func:`traceable`; both attributes are restored on
+    any exit. Not thread-safe, as transformers' own compiled path is not: the engine makes one block call at a time
     (the forward's on the main thread, the backward's recomputes on autograd's, never both at once)."""
     var = _collector_var()
     collector = var.get()
     fresh = {k: [] if isinstance(v, list) else v for k, v in collector.items()}
+    before = var.global_var, var.compiling
     var.global_var, var.compiling = fresh, True
     try:
         yield
     finally:
-        var.global_var, var.compiling = None, False
+        var.global_var, var.compiling = before
     for key, value in fresh.items():
         if isinstance(value, list):
             collector[key].extend(value)
