@@ -127,7 +127,7 @@ def test_the_embeddings_device_update_chosen_where_it_is_the_faster_step() -> No
                  layers=shape.layers, matmuls_ratio=matmuls_ratio(shape), device_moments=moments)
     eager = EngineConfig(compile_blocks=False)  # as measured then (compiled, the device's part shrinks: N=4)
     chosen, step = by_planner(m, eager, shape, work, hw)
-    assert chosen.update_on_device is True and m.fits(chosen)
+    assert chosen.update_on_device and m.fits(chosen)  # True, or N=2 (no block moments measured here)
     off, off_step = by_planner(m, EngineConfig(update_on_device=False, compile_blocks=False), shape, work, hw)
     assert off.keep_activations > chosen.keep_activations and off_step > step  # one block more, yet slower
     assert not m.fits(dataclasses.replace(off, update_on_device=True))

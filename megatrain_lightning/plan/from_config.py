@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..hardware import resolve_hardware
 from .experts import PICK_FRACTION, pick_micro_batch
 from .fit import Plan, make_plan, resolve
+from .measured import by_planner, predicted_first_step
 from .placement import HEADROOM, choose_placement
 from .run import Workload
 from .shape import PlanShape
@@ -69,15 +70,24 @@ def model_shape(cfg: Any) -> PlanShape:
     return PlanShape.of(route_experts(meta_model(config), m.get("experts_implementation")))
 
 
-def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bool = True, **older: bool) -> Plan:
-    """The plan of ``cfg``. ``older``: :class:`~megatrain_lightning.plan.run.Run`'s ``compact_native`` and
-    ``head_in_backward`` (what an older engine did, for comparisons with its runs)."""
+def plan_from_config(cfg: Any, shape: PlanShape | None = None, refuse_device: bool = True,
+                     from_first_step: bool = False, **older: bool) -> Plan:
+    """The plan of ``cfg``. ``from_first_step``: at the placement the strategy will reach from its measured first
+    step (``measured.by_planner`` on the step the planner predicts, ``measured.predicted_first_step``) rather
+    than the planner's own choice; the strategy's check of that step counts one block's recompute twice, so near
+    the device's limit it keeps fewer blocks than the planner would. ``older``:
+    :class:`~megatrain_lightning.plan.run.Run`'s ``compact_native`` and ``head_in_backward`` (what an older engine
+    did, for comparisons with its runs)."""
     hw = resolve_hardware(cfg)
     shape = shape or model_shape(cfg)
     precision = str(cfg.trainer.get("precision") or hw.precision) if cfg.get("trainer") is not None else str(hw.precision)
     work, requested = workload(cfg, precision.startswith("bf16")), engine_config(cfg)
     tried = bool(requested.unset) and hw.accelerator == "cuda"  # the strategy measures and tries its placement
-    run = resolve(shape, work, choose_placement(shape, work, requested, hw), hw, tried=tried, **older)
+    if from_first_step and tried:
+        engine, _ = by_planner(predicted_first_step(shape, work, requested, hw), requested, shape, work, hw)
+    else:
+        engine = choose_placement(shape, work, requested, hw)
+    run = resolve(shape, work, engine, hw, tried=tried, **older)
     plan = make_plan(shape, run, hw, model=str(cfg.model.get("name") or "model"), refuse_device=refuse_device)
     return dataclasses.replace(plan, chosen=requested.chosen_with_placement if hw.accelerator == "cuda" else ())
 
@@ -93,7 +103,7 @@ def planned_run(cfg: Any, overrides: Sequence[str] = (), refuse_device: bool = T
     if picked is None:
         return plan
     cfg.data.batch_size = picked[0]
-    return dataclasses.replace(plan_from_config(cfg, shape=shape, refuse_device=refuse_device),
+    return dataclasses.replace(plan_from_config(cfg, shape=shape, refuse_device=refuse_device, from_first_step=True),
                                picked=picked[1], moe_warning=None)
 
 
@@ -137,7 +147,7 @@ def moe_micro_batch(cfg: Any, shape: PlanShape | None = None, overrides: Sequenc
     def tokens_per_s(mb: int) -> float | None:
         trial.data.batch_size = mb
         try:
-            plan = plan_from_config(trial, shape=shape, refuse_device=False)
+            plan = plan_from_config(trial, shape=shape, refuse_device=False, from_first_step=True)
         except ConfigError:  # e.g. the host refuses a larger micro-batch's buffers: it does not fit
             return None
         room = plan.gpu_available * (1.0 if mb == base else HEADROOM)

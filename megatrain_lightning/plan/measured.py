@@ -118,8 +118,32 @@ def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Worklo
                ) -> tuple[EngineConfig, float]:
     """With the model's shapes: the planner's choice on the budget less what the measured streaming peak holds
     beyond the planner's prediction of it, clamped to the measured prediction; and its predicted step time."""
-    planned = choose_placement(shape, work, engine, hw, budget=planner_budget(m, engine, shape, work, hw))
+    planned = choose_placement(shape, work, engine, hw, budget=planner_budget(m, engine, shape, work, hw), accept=m.fits)
     return fastest_fit(m, planned, engine.chosen_with_placement, shape, work, hw)
+
+
+def predicted_first_step(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile) -> Measured:
+    """The streaming first step as the planner predicts the strategy will measure it on ``hw``: its peak, a kept
+    block's activations, one block's weights, :data:`HEADROOM` of the device, the moments the updates on the device
+    add (``engine/device_update.device_moment_bytes``' rule). For planning the placement :func:`by_planner` will
+    reach from the measured step (``from_config.moe_micro_batch``: a mixture of experts, whose routed experts'
+    activations the planner models as measured on the GPU, ``memory.ROUTED_ROW_ALL``)."""
+    from ..engine.compiled import COMPILED_MATMULS_RATIO
+    from .memory import device_available
+
+    # the strategy's ratio: a compiled kept block saving matmul outputs, unless its experts run between two graphs
+    compiled = work.bf16 if engine.compile_blocks is None else engine.compile_blocks
+    whole = compiled and (shape.routing_inside or shape.active_fraction >= 1.0)
+    streaming = resolve(shape, work, engine.filled(), hw)
+    scale = 1 if work.bf16 else 2
+    block = shape.block_params / max(shape.layers, 1)
+    before = 0 if engine.host_state == "compact" else 8 * (shape.resident_params - shape.untied_head())
+    return Measured(peak=gpu_peak(gpu_bytes(shape, streaming)),
+                    kept_graph=work.tokens * scale * block_activations_per_token(shape, work.mlp_chunked),
+                    block_weights=(2 if work.bf16 else 4) * shape.largest_block,
+                    budget=HEADROOM * device_available(hw), layers=shape.layers,
+                    device_moments=before + 12 * block + 4 * shape.largest_block, device_block_moments=12 * block,
+                    matmuls_ratio=COMPILED_MATMULS_RATIO if whole else matmuls_ratio(shape))
 
 
 def planner_budget(m: Measured, engine: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile) -> float:

@@ -117,22 +117,42 @@ def pinned_bytes(shape: PlanShape, run: Run) -> float:
     return master_b * shape.total_params + grad_host_bytes(shape, run) + host[STAGING] + host[OFFLOADED]
 
 
+# A block with routed experts, per (token, expert) row it routes, in bytes per expert MLP width I and per hidden
+# width h (bf16 autocast, blocks compiled): what its recompute keeps, all of it and (kept_saves="matmuls") the
+# matmul outputs, and its backward's transient gradients. Fitted to the kept graphs the strategy measured on the
+# GPU (recipes/results/2026-12-06-session27.md): GPT-OSS-20B, experts eager between two graphs (a clamped GLU:
+# gate_up's output, clamps, sigmoid, products, their masks), 307 KB per token at 20,480 and 36,864 tokens;
+# Qwen3-30B-A3B, experts inside the block's graph (engine/compiled.inside_graphs: fused), 151 KB at 26,624 and
+# 28,672. Each row also carries its gathered input and its weighted output (h terms).
+ROUTED_ROW_ALL = {False: (16, 3), True: (6, 3)}  # routing_inside -> (x I, x h)
+ROUTED_ROW_MATMULS = {False: (4, 4), True: (4, 3)}  # gate_up's output (4I), the gathered input and down's output
+
+
+def routed_row_bytes(shape: PlanShape, per: dict[bool, tuple[int, int]]) -> float:
+    """Bytes per token of a block's routed experts: its rows (``experts_per_token``) times ``per``'s bytes of a row
+    for the way its experts run (0 for a dense model)."""
+    i_mult, h_mult = per[shape.routing_inside]
+    return shape.experts_per_token * (i_mult * shape.expert_intermediate + h_mult * shape.hidden)
+
+
 def block_activations_per_token(shape: PlanShape, mlp_chunked: bool = False) -> float:
     """Bytes per token of one block's activations under bf16 autocast (see `block_working_set`). A chunked
     MLP keeps its fp32 input (4h, instead of the two bf16 copies gate and up keep) and none of its 8I; with
     the norm before it in the chunks (``shape.mlp_folds_norm``) not that norm's fp32 normalisation and
-    output either (8h: the chunks keep the residual stream, which is kept anyway)."""
+    output either (8h: the chunks keep the residual stream, which is kept anyway). A mixture of experts: the
+    larger of a dense MLP of ``intermediate`` and its routed rows (:data:`ROUTED_ROW_ALL`)."""
     h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
     if not mlp_chunked:
-        return 30 * h + 6 * kv + 8 * inter
+        return 30 * h + 6 * kv + max(8 * inter, routed_row_bytes(shape, ROUTED_ROW_ALL))
     return (22 if shape.mlp_folds_norm else 30) * h + 6 * kv
 
 
 def kept_matmul_outputs_per_token(shape: PlanShape) -> float:
     """Bytes per token a kept block holds with ``kept_saves="matmuls"``: its fp32 input (4h) and the bf16
-    outputs of q/k/v (2h + 4kv), attention (2h), o_proj (2h), gate and up (4I) and down (2h)."""
+    outputs of q/k/v (2h + 4kv), attention (2h), o_proj (2h), gate and up (4I) and down (2h); a mixture of
+    experts the larger of those MLP outputs and its routed rows' (:data:`ROUTED_ROW_MATMULS`)."""
     h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
-    return 12 * h + 4 * kv + 4 * inter
+    return 12 * h + 4 * kv + max(4 * inter, routed_row_bytes(shape, ROUTED_ROW_MATMULS) - 2 * h)
 
 
 def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chunk_tokens: int | None = None) -> float:
@@ -142,7 +162,8 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chun
     12h), q/k/v (2h + 4kv) and rotated q/k (2h + 2kv), attention output 2h, o_proj output 2h and residual
     add 4h, MLP gate/up/act/product (8I), down output 2h and residual 4h: 30h + 6kv + 8I; plus backward
     transients (the fp32 residual gradient 4h, two bf16 MLP gradients 4I), and the block's bf16 parameter
-    gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts is not modelled.
+    gradients before they are packed into the fp32 slab (2 B/param). A mixture of experts: its routed rows'
+    activations (`block_activations_per_token`) and two bf16 gradients of each row's MLP (4 x expert width).
 
     With the MLP in chunks of ``mlp_chunk_tokens`` (fewer tokens than the micro-batch): 30h + 6kv per token
     kept, 22h + 6kv with the norm in the chunks (measured on the CPU for a Qwen2 layer under bf16 autocast,
@@ -154,7 +175,8 @@ def block_working_set(shape: PlanShape, tokens: int, bf16: bool = True, mlp_chun
     h, inter = shape.hidden, shape.intermediate
     scale = 1 if bf16 else 2  # fp32 activations are twice as wide
     if mlp_chunk_tokens is None or tokens <= mlp_chunk_tokens:
-        per_token = block_activations_per_token(shape) + 4 * h + 4 * inter
+        per_token = block_activations_per_token(shape) + 4 * h + max(4 * inter, 4 * shape.experts_per_token
+                                                                     * shape.expert_intermediate)
         return scale * (tokens * per_token + 2 * shape.largest_block)
     per_token = block_activations_per_token(shape, mlp_chunked=True) + 10 * h
     per_chunk_token = 12 * inter + (12 if shape.mlp_folds_norm else 4) * h

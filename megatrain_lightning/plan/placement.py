@@ -18,6 +18,7 @@ Only for a CUDA profile: on the CPU the device is the host, and the streaming pl
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from ..config import EngineConfig
 from ..hardware import HardwareProfile
@@ -41,10 +42,12 @@ HOST_MARGIN = 1.1
 
 
 def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw: HardwareProfile,
-                     headroom: float = HEADROOM, budget: float | None = None) -> EngineConfig:
+                     headroom: float = HEADROOM, budget: float | None = None,
+                     accept: Callable[[EngineConfig], bool] | None = None) -> EngineConfig:
     """``engine`` with its unset placement fields chosen for ``work`` on ``hw`` (see the module docstring);
     the streaming values where nothing fits (the plan then says why) or off CUDA. ``budget``: the device
-    bytes to plan for, instead of ``headroom`` of the profile's device memory."""
+    bytes to plan for, instead of ``headroom`` of the profile's device memory. ``accept``: a second test every
+    candidate must pass (the strategy's prediction from a measured step, ``measured.Measured.fits``)."""
     unset = set(engine.unset)
     if not unset or hw.accelerator != "cuda":
         return engine.filled()
@@ -53,7 +56,8 @@ def choose_placement(shape: PlanShape, work: Workload, engine: EngineConfig, hw:
     layers = shape.layers
 
     def fits(cand: EngineConfig) -> bool:
-        return fits_memory(shape, resolve(shape, work, cand, hw, tried=True), budget, host)
+        return (fits_memory(shape, resolve(shape, work, cand, hw, tried=True), budget, host)
+                and (accept is None or accept(cand.filled().for_blocks(layers))))
 
     # grad_buffers and bf16_grads resolved once: the placement does not change the host footprint they
     # depend on (but for offloaded inputs, decided first), and resolving them per candidate is most of the cost

@@ -38,6 +38,11 @@ class PlanShape:
     # (engine/compiled.inside_graphs: grouped GEMM experts without biases), the routing's gathers, casts and
     # weighting fused with the rest; else they run eager between two graphs (GPT-OSS's, a user's loop).
     routing_inside: bool = False
+    # Mixture of experts: the experts a token is routed to in a block with routed experts, and one expert's MLP
+    # width (``moe_intermediate_size``, else ``intermediate_size``): a kept block's activations scale with these
+    # (plan/memory.py). 0: a dense model.
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
     # Parameters of the blocks' position-wise MLPs (the ``mlp`` submodules: what ``mlp_chunk_tokens``
     # chunks). None: a gated MLP assumed, 3 x hidden x intermediate per layer.
     mlp_params: int | None = None
@@ -111,6 +116,9 @@ class PlanShape:
                 any(is_expert_weight(n) for n, _ in b.named_parameters()) for b in blocks) if share < 1.0 else 0,
             routing_inside=share < 1.0 and all(experts_of(b) and all(inside_graphs(e) for e in experts_of(b))
                                                for b in blocks if any(is_expert_weight(n) for n, _ in b.named_parameters())),
+            experts_per_token=(getattr(config, "num_experts_per_tok", 0) or 0) if share < 1.0 else 0,
+            expert_intermediate=(getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
+                                 or 0) if share < 1.0 else 0,
             mlp_params=sum(p.numel() for b in blocks if getattr(b, "mlp", None) is not None for p in b.mlp.parameters()),
             mlp_folds_norm=all(folded_norm(b) is not None for b in blocks),
         )
