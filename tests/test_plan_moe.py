@@ -514,3 +514,35 @@ def test_a_kept_moe_blocks_activations_as_measured(model: str, layers: int, toke
 
     shape = model_shape(_compose([f"model={model}", f"model.config.num_hidden_layers={layers}", "data=synthetic"]))
     assert abs(tokens * block_activations_per_token(shape) / 1e9 / measured - 1) <= 0.03
+
+
+# The strategy's first steps as measured with hardware=auto (streaming peak GB, a kept block's activations GB, the
+# budget GB) and the placement it chose from them, with its predicted step: (model, layers, hardware overrides, rows,
+# measured, (keep, kept_saves, cache, update_on_device), predicted s). H100: 2026-12-06 (recipes/results/
+# 2026-12-06-session28.md, call 2), the pick 19 x 2048 run at 1.422 s/step (steps 4-7, 259.4 TFLOPS).
+MEASURED_FIRST_STEPS = [
+    ("gpt_oss_20b", 7, ["hardware=h100"], 19, (36.1, 11.94, 77.6), (0, "all", 2, 4), 1.360),
+]
+
+
+@pytest.mark.parametrize(("model", "layers", "hardware", "rows", "measured", "chosen", "predicted"), MEASURED_FIRST_STEPS)
+def test_the_placement_the_strategy_chose_from_its_measured_first_step(model: str, layers: int, hardware: list[str],
+                                                                       rows: int, measured: tuple[float, float, float],
+                                                                       chosen: tuple, predicted: float) -> None:
+    """measured.by_planner on the measured first step gives the run's placement and prediction (the logs'
+    "placement chosen from the first step" lines); the planner's own prediction of that step (predicted_first_step)
+    errs high, which is what keeps the pick's placement on the safe side of the run's."""
+    from megatrain_lightning.hardware import resolve_hardware
+    from megatrain_lightning.plan.from_config import engine_config, model_shape, workload
+    from megatrain_lightning.plan.measured import by_planner, predicted_first_step
+
+    cfg = _compose([f"model={model}", f"model.config.num_hidden_layers={layers}", "data=synthetic", *hardware,
+                    f"data.batch_size={rows}"])
+    hw, shape, requested = resolve_hardware(cfg), model_shape(cfg), engine_config(cfg)
+    work = workload(cfg, True)
+    planned = predicted_first_step(shape, work, requested, hw)
+    peak, kept, budget = (gb * 1e9 for gb in measured)
+    assert planned.peak >= peak and abs(planned.kept_graph / kept - 1) <= 0.03
+    got, step_s = by_planner(dataclasses.replace(planned, peak=peak, kept_graph=kept, budget=budget), requested, shape, work, hw)
+    assert (got.keep_activations, got.kept_saves, got.cache_weights, got.update_on_device) == chosen
+    assert step_s == pytest.approx(predicted, abs=5e-4)
