@@ -10,9 +10,10 @@ The budget is :data:`~.placement.HEADROOM` of the device bytes usable when the e
 
 Which placement: where the model's shapes are known (a Hugging Face model in the module), the planner's
 choice (``placement.choose_placement``) for the measured micro-batch, on a budget less what the measured peak
-holds beyond the planner's own prediction of the streaming step (the user's loss and logits), then clamped
-until the measured prediction fits; selective saves cost ``G`` scaled by the planner's ratio of matmul
-outputs to all activations. Without shapes: as many kept blocks as fit with their weights cached, then as
+holds beyond the planner's own prediction of the streaming step (the user's loss and logits), among the
+candidates whose measured prediction fits (the fastest of them, not the planner's first choice with kept
+blocks taken away); selective saves cost ``G`` scaled by the planner's ratio of matmul outputs to all
+activations. Without shapes: as many kept blocks as fit with their weights cached, then as
 many more cached weights as fit. Fields the user set are never changed.
 
 The next micro-batch, on the chosen placement, is measured too: a peak above the budget moves ``P`` up by
@@ -117,7 +118,8 @@ def by_measurement(m: Measured, engine: EngineConfig) -> EngineConfig:
 def by_planner(m: Measured, engine: EngineConfig, shape: PlanShape, work: Workload, hw: HardwareProfile
                ) -> tuple[EngineConfig, float]:
     """With the model's shapes: the planner's choice on the budget less what the measured streaming peak holds
-    beyond the planner's prediction of it, clamped to the measured prediction; and its predicted step time."""
+    beyond the planner's prediction of it, among the candidates the measured prediction accepts (then clamped to
+    it, for the fields the planner does not search); and its predicted step time."""
     planned = choose_placement(shape, work, engine, hw, budget=planner_budget(m, engine, shape, work, hw), accept=m.fits)
     return fastest_fit(m, planned, engine.chosen_with_placement, shape, work, hw)
 
