@@ -501,9 +501,11 @@ def test_the_automatic_placement_hands_its_warning_to_the_strategy() -> None:
 
 
 # A kept block's activations as the strategy measured them in its first step (H200 and H100, 2026-12-06,
-# recipes/results/2026-12-06-session27.md and the session 25-26 logs): (model, layers, tokens, GB).
+# recipes/results/2026-12-06-session27.md and the session 25-26 logs; the H100 of session 28 at the new picks, 38,912
+# and 51,200 tokens, measured after the fit): (model, layers, tokens, GB).
 MEASURED_KEPT_GRAPHS = [("gpt_oss_20b", 7, 20480, 6.28), ("gpt_oss_20b", 7, 28672, 8.79), ("gpt_oss_20b", 7, 36864, 11.31),
-                        ("qwen3_30b_a3b", 10, 26624, 4.03), ("qwen3_30b_a3b", 10, 28672, 4.34)]
+                        ("gpt_oss_20b", 7, 38912, 11.94), ("qwen3_30b_a3b", 10, 26624, 4.03),
+                        ("qwen3_30b_a3b", 10, 28672, 4.34), ("qwen3_30b_a3b", 10, 51200, 7.75)]
 
 
 @pytest.mark.parametrize(("model", "layers", "tokens", "measured"), MEASURED_KEPT_GRAPHS)
@@ -520,9 +522,11 @@ def test_a_kept_moe_blocks_activations_as_measured(model: str, layers: int, toke
 # The strategy's first steps as measured with hardware=auto (streaming peak GB, a kept block's activations GB, the
 # budget GB) and the placement it chose from them, with its predicted step: (model, layers, hardware overrides, rows,
 # measured, (keep, kept_saves, cache, update_on_device), predicted s). H100: 2026-12-06 (recipes/results/
-# 2026-12-06-session28.md, call 2), the pick 19 x 2048 run at 1.422 s/step (steps 4-7, 259.4 TFLOPS).
+# 2026-12-06-session28.md, call 2), GPT-OSS's pick 19 x 2048 run at 1.422 s/step (steps 4-7, 259.4 TFLOPS), Qwen3's
+# 25 x 2048 at 1.106 s (290.9).
 MEASURED_FIRST_STEPS = [
     ("gpt_oss_20b", 7, ["hardware=h100"], 19, (36.1, 11.94, 77.6), (0, "all", 2, 4), 1.360),
+    ("qwen3_30b_a3b", 10, ["hardware=h100"], 25, (26.6, 7.75, 77.6), (0, "all", 4, 8), 1.039),
 ]
 
 
