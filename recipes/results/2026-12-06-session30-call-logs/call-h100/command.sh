@@ -1,0 +1,2 @@
+# session 30, the H100 call (kind nvidia-h100-x1, carry .whl, timeout 450): the auto-placement GPU tests alone
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -1; export PYTHONPATH=/tmp/site:$PWD; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; timeout 400 python3 -m pytest -q -p no:cacheprovider -rA tests/test_auto_placement_cuda.py 2>&1 | tail -25
