@@ -48,7 +48,9 @@ class MegaTrainPrecision(Precision):
         self.device_type = device_type
         self.engine: StreamingEngine | None = None
         self.host_optimizers: dict[int, HostOptimizer] = {}
-        # Set by the strategy per training step: the overlapped updates may run on into the next forward.
+        # Set by the strategy per training step: the host optimizer whose updates run store by store during
+        # this micro-batch's backward (None: after it), and whether they may run on into the next forward.
+        self.overlap: HostOptimizer | None = None
         self.defer_updates = False
         # Set by the strategy: skip steps with a non-finite loss (or gradients), stop after this many in a row
         self.skip_nonfinite = 0
@@ -97,6 +99,12 @@ class MegaTrainPrecision(Precision):
             self._skip_window = True
             self.engine.finish_backward()  # no backward: the micro-batch ends without gradients
             return
+        if self.engine is not None and self.overlap is not None:
+            # The hyperparameters are read here, after training_step, zero_grad and on_before_backward (any of
+            # which may set lr, betas or weight_decay: a warm-up by hand), as the default strategy's
+            # optimizer.step would see them; no hook that may set them runs later (the strategy's _overlap_target).
+            self.engine.on_grads_final = self.overlap.overlap_update()
+        self.overlap = None
         try:
             model.backward(tensor, *args, **kwargs)
             if self.engine is not None:

@@ -460,7 +460,8 @@ class MegaTrainStrategy(ParallelStrategy):
             with self._step(wait=False):
                 if self.engine is not None:
                     host = self._overlap_target()
-                    self.engine.on_grads_final = host.overlap_update() if host is not None else None
+                    self.engine.on_grads_final = None  # the precision plugin's backward hands it the update
+                    self.precision_plugin.overlap = host
                     self.precision_plugin.defer_updates = host is not None and self._may_defer(host)
                     self.engine.hold_updates(self.precision_plugin.defer_updates)
                 out = super().training_step(*args, **kwargs)
@@ -526,7 +527,8 @@ class MegaTrainStrategy(ParallelStrategy):
             return None
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return None
-        hooks = ("on_after_backward", "on_before_optimizer_step", "optimizer_step", "configure_gradient_clipping")
+        hooks = ("backward", "on_after_backward", "on_before_optimizer_step", "optimizer_step",
+                 "configure_gradient_clipping")
         if any(is_overridden(h, module) for h in hooks):
             return None
         if any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in trainer.callbacks)\

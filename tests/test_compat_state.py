@@ -178,6 +178,48 @@ def test_block_parameter_used_outside_its_block(factory: Any, names: list[str]) 
     parity_or_refusal(factory, names=names, max_steps=4)
 
 
+class L2AfterForward(TokenBlocks):
+    """An explicit L2 penalty over every parameter, added once the forward has run."""
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        loss = super().compute_loss(batch)
+        return loss + 1e-3 * sum(p.square().sum() for p in self.parameters())
+
+
+class L2OnHeadBeforeForward(TokenBlocks):
+    """An L2 penalty on the head and the final norm (used only after the last block), computed before the
+    forward: their gradients from it arrive once the blocks' backward has begun."""
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        reg = sum(p.square().sum() for p in [*self.head.parameters(), *self.norm.parameters()])
+        return super().compute_loss(batch) + 1e-3 * reg
+
+
+class L2BeforeForward(TokenBlocks):
+    """The L2 penalty over every parameter computed before the forward: the blocks' gradients from it arrive
+    after their own have gone home."""
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        reg = sum(p.square().sum() for p in self.parameters())
+        return super().compute_loss(batch) + 1e-3 * reg
+
+
+@pytest.mark.parametrize("factory", [L2AfterForward, L2OnHeadBeforeForward])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_an_explicit_l2_term_trains_exactly(factory: Any, overlap: bool) -> None:
+    """The head's term computed before the forward: the first backward watches, and the head's gradients
+    then go home at the backward's end rather than at the first block's (they were refused mid-step)."""
+    ref = fit(factory, None, max_steps=4)
+    got = fit(factory, megatrain(overlap_optimizer=overlap), max_steps=4)
+    assert_exact(ref, got)
+
+
+def test_an_l2_term_on_block_weights_before_the_forward_is_refused_naming_the_fix() -> None:
+    with pytest.raises(RuntimeError, match=r"parameter \S+ of streamed block \d \(MLPBlock\).*Compute such a term "
+                                           r"after the forward"):
+        fit(L2BeforeForward, "megatrain", max_steps=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # a resident parameter read inside a block
 # ---------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ class StreamingEngine:
         for store in self.all_stores():
             store.drop_half_grad()
         self.resident.to_host(None)
-        self.resident.end_backward()
+        self.resident.end_backward(complete=False)
         self.offload.reset()
         self.state.end_micro_batch()
         self.state.step_open = False

@@ -126,12 +126,15 @@ class OutsideUse:
                 "as a shared parameter of a resident module, or compute the term inside the block.")
         self.blocks.add(block)
         if block in self.sent:
+            module = self.block_modules[block]
+            name = next((n for n, q in module.named_parameters() if q is param), f"of shape {tuple(param.shape)}")
             raise RuntimeError(
-                f"MegaTrainStrategy: a parameter of streamed block {block} ({type(self.block_modules[block]).__name__}, "
-                f"shape {tuple(param.shape)}) got a gradient from outside that block after the block's own had "
-                "gone home: the model reads it elsewhere before the block runs (a tie that is not registered, a "
-                "term on the weight). Register the tie as a shared parameter of a resident module, compute the "
-                "term inside the block, or stream another level with block_class=...")
+                f"MegaTrainStrategy: parameter {name} of streamed block {block} ({type(module).__name__}) got a "
+                "gradient from outside that block after the block's own had gone home: the model reads it "
+                "elsewhere before the block runs (a loss term on the weights computed before the forward, a tie "
+                "that is not registered). Compute such a term after the forward, once the blocks have run (it "
+                "then trains exactly), or use the optimizer's weight_decay for an L2 penalty; register a tie as a "
+                "shared parameter of a resident module; or stream another level with block_class=...")
 
     def hook_ids(self) -> set[int]:
         """The keys of this watcher's own hooks in the parameters' ``_post_accumulate_grad_hooks``."""

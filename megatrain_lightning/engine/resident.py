@@ -113,8 +113,15 @@ class ResidentParts:
         self.before = next((p for p in self.parts if p.key == RESIDENT), None)
         self.after = next((p for p in self.parts if p.key == RESIDENT_AFTER), None)
         # Learned over the run: every step so far used the after part only after the last block. Cleared
-        # for good the first time a step does not; its gradients are then sent at the end of the backward.
+        # for good the first time a step does not (a module of it called before the last block, or a
+        # gradient reaching it once the blocks' backward had begun: a term on its weights computed before
+        # the forward); its gradients are then sent at the end of the backward. The first backward only
+        # watches (``after_watched``): what it learns decides the early send from the next one on.
         self.after_follows_blocks = True
+        self.after_watched = False
+        self._blocks_backward_began = False  # this micro-batch's
+        self._after_names = {id(p): n for n, p in root.named_parameters()
+                             if self.after is not None and any(p is q for q in self.after.store.params)}
         # Any module owning a resident parameter pulls its part onto the device when it runs.
         self._owned: dict[int, list[ResidentPart]] = self._owners(root, blocks)
         self._hooks = [m.register_forward_pre_hook(self._pre_hook) for m in self._owner_modules]
@@ -156,10 +163,11 @@ class ResidentParts:
     # ------------------------------------------------------------------ onto the device
     def open(self) -> None:
         """A step begins: every part onto the device, the after part only if its update has run (else
-        when its owner runs)."""
+        when its owner runs), unless the run has shown it used before the blocks (the model may read its
+        weights directly then, not through the owner: they must be the updated ones)."""
         for part in self.parts:
             part.updated_on_device = False  # only the optimizer step right after it may keep the copy
-            self.ensure(part, wait=part.key != RESIDENT_AFTER)
+            self.ensure(part, wait=part.key != RESIDENT_AFTER or not self.after_follows_blocks)
 
     def ensure(self, part: ResidentPart, wait: bool = True) -> None:
         """One part onto the device (refreshed first if its masters changed); without ``wait``, only if its
@@ -257,8 +265,11 @@ class ResidentParts:
         """A block's backward begins. At the first one of a micro-batch whose update overlaps it, the after
         part's gradients are final (the loss's backward, which alone reaches them, is done): send them home
         now, so that their update runs beside the blocks' backward instead of after it."""
+        if first:
+            self._blocks_backward_began = True
         part = self.after
-        if not first or part is None or not part.on_device or then is None or not self.after_follows_blocks:
+        if (not first or part is None or not part.on_device or then is None or not self.after_follows_blocks
+                or not self.after_watched):
             return
         calls = self.state.calls
         # one pass through the blocks, this one last: every use of the after part came after it
@@ -267,18 +278,28 @@ class ResidentParts:
         self._part_to_host(part, then)
         part.sent_early = True
 
-    def end_backward(self) -> None:
+    def end_backward(self, complete: bool = True) -> None:
+        """A micro-batch's backward is over (``complete``: it ran to its end, so the after part was watched)."""
         for part in self.parts:
             part.sent_early = False
+        if complete and self._blocks_backward_began:
+            self.after_watched = True
+        self._blocks_backward_began = False
 
     def _after_grad_landed(self, param: torch.Tensor) -> None:
-        if self.after is not None and self.after.sent_early:
+        if self.after is None or not self._blocks_backward_began:
+            return
+        if self.after.sent_early:
+            name = self._after_names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
             raise RuntimeError(
-                "a gradient reached a parameter used only after the last block once its gradients had been "
-                "sent to the host (at the first block's backward): this model's backward does not follow its "
-                "forward order. Pass MegaTrainStrategy(engine=EngineConfig(overlap_optimizer=False)) and "
-                "report the model."
+                f"MegaTrainStrategy: {name} got a gradient after the blocks' backward had begun, so after its "
+                "gradients had gone home and its update had started: this step used it before the blocks ran "
+                "(a loss term on the weights computed before the forward?), which the steps before had not. "
+                "Compute such a term after the forward in every step (or use the optimizer's weight_decay), or "
+                "pass MegaTrainStrategy(engine=EngineConfig(overlap_optimizer=False)), which sends these "
+                "gradients at the backward's end."
             )
+        self.after_follows_blocks = False  # a term before the blocks: final only at the end of the backward
 
     def close(self) -> None:
         for h in self._hooks:

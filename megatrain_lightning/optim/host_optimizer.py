@@ -57,12 +57,23 @@ class HostAdamW(torch.optim.AdamW):
 
 
 def is_fast_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Adam-family optimizers whose update the flat host kernels reproduce."""
+    """Adam-family optimizers whose update the flat host kernels reproduce: Adam, AdamW and subclasses that
+    keep their ``step`` (a subclass with its own, e.g. gradient centralisation, runs it: the generic path)."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    if type(optimizer).step not in (torch.optim.Adam.step, torch.optim.AdamW.step):
         return False
     return not any(
         g.get("amsgrad") or g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups
     )
+
+
+def _why_not_fast(optimizer: torch.optim.Optimizer) -> str:
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return ""
+    if type(optimizer).step not in (torch.optim.Adam.step, torch.optim.AdamW.step):
+        return " (a subclass with its own step(), which the flat kernels would not run)"
+    return " with amsgrad (or differentiable/capturable)"
 
 
 class _Range:
@@ -184,8 +195,7 @@ class HostOptimizer:
             raise ValueError(
                 f"host_state='compact' keeps bf16 Adam moments and steps them with its own kernel, so it "
                 f"supports torch.optim.Adam, torch.optim.AdamW and HostAdamW (without amsgrad) only, not "
-                f"{type(optimizer).__name__}"
-                f"{' with amsgrad (or differentiable/capturable)' if isinstance(optimizer, torch.optim.Adam) else ''}. "
+                f"{type(optimizer).__name__}{_why_not_fast(optimizer)}. "
                 "Use EngineConfig(host_state='fp32') for other optimizers."
             )
         self.early_updates = 0  # stores updated as their gradients landed, over the run (for tests and logs)
@@ -357,9 +367,10 @@ class HostOptimizer:
     def overlap_update(self) -> StoreUpdate:
         """The update of one store, to run on the host worker as soon as its gradients are final.
 
-        The hyperparameters are read now, at the start of the step: the update may run after the LR
-        scheduler has already stepped (updates run on into the next forward). The caller passes the stores
-        it ran this on to :meth:`step` as ``skip``.
+        The hyperparameters are read now, as the backward starts (after the user's training step and the
+        hooks before the backward, which may set them): the update may run after the LR scheduler has already
+        stepped (updates run on into the next forward). The caller passes the stores it ran this on to
+        :meth:`step` as ``skip``.
         """
         return StoreUpdate(self, [self.hyper(g) for g in self.optimizer.param_groups])
 
@@ -378,7 +389,7 @@ class HostOptimizer:
 
 class StoreUpdate:
     """One step's overlapped update of a store, ``update(store)`` on the host worker, with the
-    hyperparameters read at the start of the step."""
+    hyperparameters read as the step's backward starts."""
 
     def __init__(self, host: HostOptimizer, hypers: list[AdamHyper]) -> None:
         self.host = host
