@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .block import CallSpec, StreamedBlock
-from .first_call import FirstCall
+from .first_call import FirstCall, refuse_hidden_grad_tensors
 from .phase import Phase
 
 
@@ -36,6 +36,7 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
             finally:
                 engine.release(index)
         args = no_kv_cache(args, kwargs, index, block)
+        refuse_hidden_grad_tensors(index, block, args, kwargs)
         state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
         spec = CallSpec(args, kwargs)
         if engine.meter.active:
@@ -73,7 +74,8 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
             else:
                 out = original(engine.blocks[block], *args, **kwargs)
         if check:
-            engine.checked_blocks.add(block)
+            if first is not None and first.complete:
+                engine.checked_blocks.add(block)
             changed = binding.mutated_buffers()
             if changed:
                 raise RuntimeError(

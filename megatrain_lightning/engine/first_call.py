@@ -46,8 +46,12 @@ class FirstCall:
         self.module: nn.Module = engine.blocks[block]
         self.inference = torch.is_inference_mode_enabled()
         self.grad = torch.is_grad_enabled()
-        # a graph like the recompute's: the weights as leaves, the inputs detached (their history is not ours)
-        self.graph = not self.inference and not self.grad and not side_outputs.recording()
+        # a graph like the recompute's: the weights as leaves, the inputs detached (their history is not ours).
+        # Not for nested-tensor inputs: only a call without grad gets them (nn.TransformerEncoder's fast path,
+        # in evaluation), and with grad the same modules refuse them; a training call brings dense ones.
+        nested = any(isinstance(t, torch.Tensor) and t.is_nested for t in pytree.tree_leaves((args, kwargs)))
+        self.graph = not self.inference and not self.grad and not side_outputs.recording() and not nested
+        self.complete = not self.inference and not nested  # else a later call is checked again
         if not self.inference and not self.grad:
             args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
         if self.graph:
@@ -182,6 +186,30 @@ class FirstCall:
 
     def _what(self) -> str:
         return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def refuse_hidden_grad_tensors(index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A call with grad: refuses a tensor with a gradient history that an argument holds where torch's pytree
+    does not look (a dataclass's field, an object's attribute). The Function would take it as a constant of
+    the call, so no gradient would flow back through it. Every call (such arguments may be built per step);
+    about 10 us for a decoder layer's arguments."""
+    hidden = []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, (torch.Tensor, nn.Module, type, *_PLAIN)) or callable(leaf) or not hasattr(leaf, "__dict__"):
+            continue
+        for attr, value in vars(leaf).items():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+                hidden.append(f"{type(leaf).__name__}.{attr}")
+    if hidden:
+        raise RuntimeError(
+            f"MegaTrainStrategy cannot train block {index} ({type(block).__name__}) exactly: an argument of its "
+            f"call holds a tensor with a gradient history where torch's pytree does not look ({', '.join(hidden[:4])}), "
+            "so the streamed block would take it as a constant and no gradient would flow back through it. Pass "
+            "the tensor as an argument of its own (or in a tuple, list or dict), register the class with "
+            f"torch.utils._pytree.register_dataclass, {_FIX}")
 
 
 _INSIDE = "a block differentiated inside its own forward"

@@ -44,6 +44,8 @@ class BlockBinding:
         self.params = list(params)
         self.buffer_sites = buffers
         self.device_buffers: list[torch.Tensor] = [b for _, _, b in buffers]
+        self.device = torch.device("cpu")
+        self.host_versions = [b._version for _, _, b in buffers]
 
     def same_structure(self) -> None:
         """Refuses a block whose parameters were re-registered since setup (``torch.nn.utils.prune`` and
@@ -62,12 +64,17 @@ class BlockBinding:
                         "prune.remove() to make pruning permanent), or train with another strategy.")
 
     def buffers_to(self, device: torch.device) -> None:
-        """Keep a device copy of the block's buffers for the whole run (they are small and read-only)."""
+        """Keep a device copy of the block's buffers (they are small, and the forward may not change them)
+        until the host ones change (:meth:`bound` looks)."""
+        self.device = device
         self.device_buffers = [b.to(device) for _, _, b in self.buffer_sites]
+        self.host_versions = [b._version for _, _, b in self.buffer_sites]
 
     def refresh_buffers(self, device: torch.device) -> None:
-        """The block's buffers were replaced (upcast): read them again from its modules."""
-        self.buffer_sites = [(mod, name, mod._buffers[name]) for mod, name, _ in self.buffer_sites]
+        """The block's buffers were replaced (upcast, a user's ``block.gain = new``) or changed in place on
+        the host: read them again from its modules."""
+        self.buffer_sites = [(mod, name, mod._buffers[name]) for mod, name, _ in self.buffer_sites
+                             if mod._buffers.get(name) is not None]
         self.buffers_to(device)
 
     def mutated_buffers(self) -> list[str]:
@@ -88,7 +95,11 @@ class BlockBinding:
         dimension (norm gains, biases) still narrower than fp32 (a slot without fp32 copies of them: the
         host holds them narrow) are bound as fp32 casts: what ops outside autocast's lists see under
         Lightning's own bf16-mixed, whose weights are fp32 (CPU layer norms refuse a bf16 weight with an
-        fp32 input). ``check``: record the buffers' versions, for :meth:`mutated_buffers`."""
+        fp32 input). ``check``: record the buffers' versions, for :meth:`mutated_buffers`. A buffer the user
+        replaced or changed since the last call (between steps: a schedule written into it) is copied again."""
+        if any(mod._buffers.get(name) is not b or b._version != v
+               for (mod, name, b), v in zip(self.buffer_sites, self.host_versions)):
+            self.refresh_buffers(self.device)
         for sites, t in zip(self.param_sites, tensors):
             if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()  # differentiable: the gradient reaches the slot's leaf

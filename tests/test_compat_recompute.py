@@ -1,0 +1,224 @@
+"""What a streamed block's forward depends on beyond its inputs and weights, as its recompute in the backward
+must see it: Python's and numpy's RNGs, a ``torch.Generator`` of its own, a counter it keeps, the ``training``
+flags of a pass in eval mode inside a training step, buffers the user replaces or changes between steps.
+Each trains exactly as under Lightning's default strategy. What cannot: a tensor with a gradient history
+hidden in an argument that torch's pytree does not flatten (refused in the first forward, naming it and the
+fix), and ``torch.utils.checkpoint(use_reentrant=True)`` inside a block (refused naming the block and the fix).
+Also: ``nn.TransformerEncoder``'s nested-tensor path in validation.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from compat_zoo import DIM, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact, compare_losses
+from conftest import fit
+from test_compat_state import refused_in_the_first_forward
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+class PythonRandomBlock(MLPBlock):
+    """Stochastic depth drawn with Python's ``random``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = not self.training or random.random() > 0.4
+        return super().forward(x) if keep else x
+
+
+class NumpyScaleBlock(MLPBlock):
+    """Its branch scaled by a numpy draw."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(np.random.uniform(0.5, 1.5)) if self.training else 1.0
+        return x + scale * (super().forward(x) - x)
+
+
+class OwnGeneratorBlock(MLPBlock):
+    """Noise from a generator of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=self.gen) if self.training else 0.0
+        return super().forward(x + 0.1 * noise)
+
+
+class CounterBlock(MLPBlock):
+    """A schedule read from a call counter the forward increments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        scale = 1.0 if self.calls % 2 else 2.0
+        return x + scale * (super().forward(x) - x)
+
+
+class DropoutBlock(MLPBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.norm(x)))), 0.3, self.training)
+
+
+class EvalPassInTraining(TokenBlocks):
+    """A consistency term: the blocks in train mode (dropout) and again in eval mode, both with grad."""
+
+    block_cls = DropoutBlock
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        loss = super().compute_loss(batch)
+        (x,) = batch
+        self.eval()
+        clean = self.trunk(x)
+        self.train()
+        return loss + 0.1 * clean.square().mean()
+
+
+@pytest.mark.parametrize("block_cls", [PythonRandomBlock, NumpyScaleBlock, OwnGeneratorBlock, CounterBlock],
+                         ids=["python-random", "numpy", "own-generator", "counter"])
+def test_a_block_drawing_from_other_rngs_or_counting_trains_exactly(block_cls: type) -> None:
+    """Seeded alike (fit seeds torch; Python's and numpy's RNGs are seeded here): every draw repeats."""
+    factory = type(f"{block_cls.__name__}Model", (TokenBlocks,), {"block_cls": block_cls})
+    runs = []
+    for strategy in (None, "megatrain"):
+        random.seed(3)
+        np.random.seed(3)
+        runs.append(fit(factory, strategy, max_steps=6))
+    assert_exact(*runs)
+
+
+def test_an_eval_mode_pass_with_grad_inside_a_training_step_trains_exactly() -> None:
+    assert_exact(fit(EvalPassInTraining, None, max_steps=5), fit(EvalPassInTraining, "megatrain", max_steps=5))
+
+
+class GainBlock(MLPBlock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.ones(DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain * (super().forward(x) - x)
+
+
+class GainModel(TokenBlocks):
+    block_cls = GainBlock
+
+
+class GainSchedule(pl.Callback):
+    """Writes each block's ``gain`` buffer before every batch: replaced (``block.gain = new``) or in place."""
+
+    def __init__(self, replace: bool) -> None:
+        self.replace = replace
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        value = 1.0 + trainer.global_step
+        for block in pl_module.blocks:
+            if self.replace:
+                block.gain = torch.full((DIM,), value)
+            else:
+                block.gain.fill_(value)
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["replaced", "in-place"])
+def test_a_buffer_written_between_steps_is_the_one_the_blocks_use(replace: bool) -> None:
+    ref = fit(GainModel, None, max_steps=4, callbacks=[GainSchedule(replace)])
+    got = fit(GainModel, "megatrain", max_steps=4, callbacks=[GainSchedule(replace)])
+    assert_exact(ref, got)
+    assert float(got.module.blocks[0].gain[0]) == 4.0  # the user's last value, not the one captured at setup
+
+
+@dataclass
+class Skip:
+    first: torch.Tensor
+
+
+class SkipBlock(MLPBlock):
+    def forward(self, x: torch.Tensor, skip: Skip) -> torch.Tensor:
+        return super().forward(x) + 0.5 * skip.first
+
+
+class SkipModel(TokenBlocks):
+    """Block 0's output reaches the later blocks inside a dataclass."""
+
+    block_cls = SkipBlock
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        first = torch.zeros_like(h)
+        for i, block in enumerate(self.blocks):
+            h = block(h, Skip(first))
+            if i == 0:
+                first = h
+        return self.norm(h)
+
+
+def test_a_grad_tensor_inside_a_dataclass_argument_is_refused_in_the_first_forward() -> None:
+    """The default strategy trains; megatrain refuses in the first batch, every weight as it was built."""
+    refused_in_the_first_forward(SkipModel, r"block 1 \(SkipBlock\).*\(Skip\.first\).*register_dataclass")
+
+
+def test_the_same_dataclass_registered_with_pytree_trains_exactly() -> None:
+    from torch.utils import _pytree as pytree
+
+    pytree.register_dataclass(Skip)
+    try:
+        assert_exact(fit(SkipModel, None, max_steps=4), fit(SkipModel, "megatrain", max_steps=4))
+    finally:
+        pytree._deregister_pytree_node(Skip)
+
+
+class ReentrantBlock(MLPBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(lambda h: self.fc2(F.gelu(self.fc1(self.norm(h)))), x, use_reentrant=True)
+
+
+class ReentrantModel(TokenBlocks):
+    block_cls = ReentrantBlock
+
+
+def test_a_reentrant_checkpoint_inside_a_block_is_refused_naming_the_block_and_the_fix() -> None:
+    with pytest.raises(RuntimeError, match=r"block 2 \(ReentrantBlock\).*use_reentrant=True.*Pass use_reentrant=False"):
+        fit(ReentrantModel, "megatrain", max_steps=2)
+
+
+class EncoderModel(TokenBlocks):
+    """``nn.TransformerEncoder`` with a padding mask: its fast path nests the input without grad (validation)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        layer = nn.TransformerEncoderLayer(DIM, 4, 2 * DIM, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        del self.blocks
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        pad = torch.zeros_like(x, dtype=torch.bool)
+        pad[:, -3:] = True
+        return self.norm(self.encoder(self.embed(x), src_key_padding_mask=pad))
+
+
+def test_transformer_encoder_nested_fast_path_in_validation_trains_exactly() -> None:
+    factory = partial(EncoderModel, n_val=8)
+    kw = dict(max_steps=4, limit_val_batches=2, num_sanity_val_steps=2, val_check_interval=2)
+    ref = fit(factory, None, **kw)
+    probe = EngineProbe()
+    got = fit(factory, "megatrain", callbacks=[probe], **kw)
+    assert probe.block_classes == ["TransformerEncoderLayer"] * 2
+    assert_blocks_streamed(probe, 2, 4)
+    assert_exact(ref, got)
+    assert ref.module.val_losses
+    compare_losses(ref.module.val_losses, got.module.val_losses, what="validation loss")
