@@ -23,6 +23,7 @@ The Function is handed the engine as a non-tensor argument (``runner``); it know
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -57,8 +58,6 @@ class BlockRunner(Protocol):
     def compiles(self, block: int, matmuls_only: bool = False) -> bool: ...
 
     def requires_grad_flags(self, block: int) -> Sequence[bool]: ...
-
-    def replayed(self, block: int) -> tuple[Sequence[torch.nn.Module], Sequence[torch.Generator]]: ...
 
     def keeps(self, block: int) -> bool: ...
 
@@ -142,6 +141,22 @@ class _Replay:
             m.__dict__.update(values)
 
 
+_REPLAYED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[torch.nn.Module], list[torch.Generator]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def replayed(block: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.Generator]]:
+    """The block's modules (their plain attributes) and the ``torch.Generator`` objects they hold, which its
+    recompute replays as the forward saw them. Found at the block's first call, kept while it lives."""
+    found = _REPLAYED.get(block)
+    if found is None:
+        modules = list(block.modules())
+        generators = list({id(g): g for m in modules for g in m.__dict__.values()
+                           if isinstance(g, torch.Generator)}.values())
+        found = _REPLAYED[block] = (modules, generators)
+    return found
+
+
 def _plain_attrs(modules: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
     return [(m, {k: v for k, v in m.__dict__.items() if type(v) in (int, float, bool)}) for m in modules]
 
@@ -189,7 +204,7 @@ class StreamedBlock(torch.autograd.Function):
                         lambda: runner.run_forward(block, args, kwargs, weights=leaves, matmuls_only=matmuls_only))
             runner.release(block)
         else:
-            ctx.recompute = RecomputeState(runner.device, *runner.replayed(block))
+            ctx.recompute = RecomputeState(runner.device, *replayed(runner.blocks[block]))
             args, kwargs = spec.rebuild(tensors)
             out, recorded, side = side_outputs.capture(lambda: runner.run_forward(block, args, kwargs))
         flat_out, out_spec = pytree.tree_flatten(out)

@@ -131,7 +131,6 @@ class StreamingEngine:
                               replicas=self.replicas)
         self.device_update = self.resident.device_update = DeviceUpdate(self)  # while config.update_on_device
         self.on_grads_final: Update | None = None  # per micro-batch, by the caller: a store's update
-        self._replayed: dict[int, tuple[list[nn.Module], list[torch.Generator]]] = {}  # see replayed()
 
         self._anchor_t: torch.Tensor | None = None
         self.checked_blocks: set[int] = set()  # blocks whose first forward was checked for buffer updates
@@ -317,18 +316,6 @@ class StreamingEngine:
     def requires_grad_flags(self, block: int) -> Sequence[bool]:
         """Read at each call (toggle_optimizer, unfreezing): which of the block's weights get gradients."""
         return [p.requires_grad for p in self.stores[block].params]
-
-    def replayed(self, block: int) -> tuple[Sequence[nn.Module], Sequence[torch.Generator]]:
-        """The block's modules (their plain attributes: ``training``, counters) and the ``torch.Generator``
-        objects they hold (their states), which its recompute replays as the forward saw them
-        (``block.RecomputeState``). Found at the first call, kept for the run."""
-        found = self._replayed.get(block)
-        if found is None:
-            modules = list(self.blocks[block].modules())
-            generators = list({id(g): g for m in modules for g in m.__dict__.values()
-                               if isinstance(g, torch.Generator)}.values())
-            found = self._replayed[block] = (modules, generators)
-        return found
 
     def keeps(self, block: int) -> bool:
         """Whether ``block`` keeps its activations (no recompute) during a step."""
