@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from compat_zoo import DIM, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact, compare_losses
-from conftest import fit
+from conftest import fit, megatrain
 from test_compat_state import refused_in_the_first_forward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -91,11 +91,14 @@ class EvalPassInTraining(TokenBlocks):
 
 @pytest.mark.parametrize("block_cls", [PythonRandomBlock, NumpyScaleBlock, OwnGeneratorBlock, CounterBlock],
                          ids=["python-random", "numpy", "own-generator", "counter"])
-def test_a_block_drawing_from_other_rngs_or_counting_trains_exactly(block_cls: type) -> None:
-    """Seeded alike (fit seeds torch; Python's and numpy's RNGs are seeded here): every draw repeats."""
+@pytest.mark.parametrize("options", [{}, {"keep_activations": 3, "kept_saves": "matmuls"}],
+                         ids=["recomputed", "kept-matmuls"])
+def test_a_block_drawing_from_other_rngs_or_counting_trains_exactly(block_cls: type, options: dict) -> None:
+    """Seeded alike (fit seeds torch; Python's and numpy's RNGs are seeded here): every draw repeats, in a
+    recomputed block and in a kept one's selective recompute."""
     factory = type(f"{block_cls.__name__}Model", (TokenBlocks,), {"block_cls": block_cls})
     runs = []
-    for strategy in (None, "megatrain"):
+    for strategy in (None, megatrain(**options)):
         random.seed(3)
         np.random.seed(3)
         runs.append(fit(factory, strategy, max_steps=6))

@@ -185,15 +185,16 @@ class StreamedBlock(torch.autograd.Function):
             with torch.enable_grad():
                 if runner.saves_matmuls_only(block) and not runner.compiles(block, matmuls_only=True):
                     # the weights stay in the block's fixed slot until its backward: the recompute reads them
-                    calls = []
+                    calls: list[RecomputeState] = []
 
                     def run(*ins: torch.Tensor) -> Any:
                         a, kw = spec.rebuild(ins)
                         # eager both times: the selective recompute must run the very ops it saved from
-                        if calls:  # the selective recompute, in the backward: it records nothing
-                            with side_outputs.silenced():
+                        if calls:  # the selective recompute, in the backward: it records nothing; torch's
+                            # checkpoint replays torch's RNG and autocast, calls[0] the rest as well
+                            with side_outputs.silenced(), calls[0].replay():
                                 return runner.run_forward(block, a, kw, weights=leaves, eager=True)
-                        calls.append(True)
+                        calls.append(RecomputeState(runner.device, *replayed(runner.blocks[block])))
                         return runner.run_forward(block, a, kw, weights=leaves, eager=True)
 
                     out, recorded, side = side_outputs.capture(lambda: saving_matmuls(run, *inputs))
