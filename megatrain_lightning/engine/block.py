@@ -27,15 +27,15 @@ import weakref
 from typing import Any, Protocol, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
+
+from . import side_outputs
+from .selective import saving_matmuls
 
 try:
     import numpy as np
 except ImportError:  # torch runs without numpy
     np = None  # type: ignore[assignment]
-from torch.utils import _pytree as pytree
-
-from . import side_outputs
-from .selective import saving_matmuls
 
 
 class BlockRunner(Protocol):
