@@ -155,9 +155,12 @@ class ShardedCheckpointIO(CheckpointIO):
             return _load_directory(src, map_location, weights_only)
         if (src / META_NAME).is_file():
             return _load_directory_v1(src, map_location, weights_only)
+        found = sorted(str(p) for p in src.glob("**/*.ckpt"))[:3]
         raise CheckpointError(
-            f"{src}: a directory without {INDEX_NAME} or {META_NAME}, so not a complete checkpoint written by "
-            f"{type(self).__name__}; {_WHAT_TO_DO}"
+            f"{src}: a directory without {INDEX_NAME} or {META_NAME}, so not a checkpoint written by "
+            f"{type(self).__name__}"
+            + (f" (a run directory? it holds {', '.join(found)}): pass one of those" if found else
+               f": pass a checkpoint ModelCheckpoint wrote (a .ckpt file or directory), or {_WHAT_TO_DO}")
         )
 
     @override
@@ -429,6 +432,10 @@ def _load_directory_v1(src: Path, map_location: Any, weights_only: bool | None) 
         meta = _torch_load(src / META_NAME, src / META_NAME, map_location, weights_only)
     except (RuntimeError, EOFError) as err:
         raise CheckpointError(f"{src / META_NAME}: damaged or truncated ({_first_line(err)}); {_WHAT_TO_DO}") from None
+    if meta.get("format_version", 1) >= 2:  # written with index.json, which is gone: nothing can be verified
+        raise CheckpointError(f"{src}: {INDEX_NAME} is missing, and this checkpoint was written with one (format "
+                              f"{meta['format_version']}): its checksums are lost, so its bytes cannot be verified; "
+                              f"{_WHAT_TO_DO}")
     skeleton = meta["checkpoint"]
     loaded: dict[tuple[str, str], torch.Tensor] = {}
     for shard in sorted({ph["shard"] for ph in _placeholders(skeleton)}):

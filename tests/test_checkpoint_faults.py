@@ -436,6 +436,11 @@ def test_a_file_that_is_no_checkpoint_is_refused_by_name(tmp_path: Path) -> None
     (tmp_path / "d.ckpt").mkdir()
     with pytest.raises(CheckpointError, match="d.ckpt: a directory without index.json"):
         ShardedCheckpointIO().load_checkpoint(tmp_path / "d.ckpt")
+    run = tmp_path / "run"  # a run directory given for its checkpoint: named, not "delete this one"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, run / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"run: .*a run directory\? it holds .*checkpoints/last.ckpt\): pass one"):
+        ShardedCheckpointIO().load_checkpoint(run)
 
 
 def _dead_pid() -> int:
@@ -548,6 +553,7 @@ DAMAGE: dict[str, tuple[str, str, Any]] = {
     "swapped index entries": ("directory", INDEX_NAME, _swap_index_entries),
     "swapped shard files": ("directory", "shard-0000", _swap_shard_files),
     "corrupt index.json": ("directory", INDEX_NAME, lambda c: _flip(c / INDEX_NAME, 40)),
+    "missing index.json": ("directory", INDEX_NAME, lambda c: (c / INDEX_NAME).unlink()),
     "truncated meta.pt": ("directory", META_NAME, lambda c: _truncate(c / META_NAME, 50)),
     "corrupt meta.pt": ("directory", META_NAME, lambda c: _flip(c / META_NAME, (c / META_NAME).stat().st_size // 3)),
     "file: flipped data byte": ("file", "c.ckpt", lambda c: _flip(c, _zip_offset(c))),

@@ -225,3 +225,56 @@ def test_transformer_encoder_nested_fast_path_in_validation_trains_exactly() -> 
     assert_exact(ref, got)
     assert ref.module.val_losses
     compare_losses(ref.module.val_losses, got.module.val_losses, what="validation loss")
+
+
+class GradientPenalty(TokenBlocks):
+    """An input-gradient penalty: the gradient of the loss at the embedding output, taken with create_graph."""
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        h0 = self.embed(x)
+        h = h0
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ((7 * x + 3) % logits.shape[-1]).reshape(-1))
+        (g,) = torch.autograd.grad(loss, h0, create_graph=True)
+        return loss + 50.0 * g.square().sum()
+
+
+def test_a_gradient_penalty_through_the_blocks_is_refused_in_the_first_step() -> None:
+    """The default strategy trains it (second-order terms reach the weights); a streamed block's backward has no
+    graph, so the strategy refuses in the first step, naming the block, before any update."""
+    refused_in_the_first_forward(GradientPenalty, r"block 2 \(MLPBlock\) exactly: a gradient is taken through it "
+                                                   r"with create_graph=True")
+
+
+class BiasBlock(MLPBlock):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + bias)  # the add saves neither operand: autograd would not mind a refill
+
+
+class TwoViews(TokenBlocks):
+    """Two passes per step sharing one bias buffer (no grad) refilled in place between them; one backward."""
+
+    block_cls = BiasBlock
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        y = (7 * x + 3) % self.head.out_features
+        buf = torch.zeros(x.shape[1], DIM)
+        total = torch.zeros(())
+        for k in range(2):
+            buf.copy_(torch.linspace(-1, 1, DIM) * 0.5 * (k + 1))
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h, buf)
+            logits = self.head(self.norm(h))
+            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return total
+
+
+def test_a_block_input_refilled_in_place_after_its_forward_is_refused_in_the_first_step() -> None:
+    """The recompute starts from the saved inputs: one changed in place since would be read with its new
+    values. Refused in the first step's backward, before any update."""
+    refused_in_the_first_forward(TwoViews, r"changed in place after the block's forward")

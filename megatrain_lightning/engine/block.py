@@ -229,6 +229,13 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> Any:
         runner: BlockRunner = ctx.runner
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            raise RuntimeError(
+                f"MegaTrainStrategy cannot train block {ctx.block} ({type(runner.blocks[ctx.block]).__name__}) "
+                "exactly: a gradient is taken through it with create_graph=True (a gradient penalty, a "
+                "second-order method), and a streamed block's backward returns its gradients without a graph, so "
+                "their own gradient would be lost. Take such a gradient only through the resident modules "
+                "(embeddings, head), or train this model with another strategy.")
         runner.backward_starts(ctx.block)
         flags = runner.requires_grad_flags(ctx.block)
         if ctx.kept is not None:

@@ -91,15 +91,24 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
             engine.release(block)
 
 
-def _pack(t: torch.Tensor) -> torch.Tensor:
+def _pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     # Detached, as autograd saves a tensor itself: a node saving its own output (attention's, tanh's) gets the
     # output with its grad_fn here, and holding that would make a cycle through C++ that Python's garbage
     # collector cannot see: a kept block's graph whose backward never runs (a step that raised) would never
-    # be freed. The unpacked output gets its grad_fn back from the node that saved it.
-    return t.detach()
+    # be freed. The unpacked output gets its grad_fn back from the node that saved it. With its version, as
+    # autograd keeps one (hooks turn its own check off): the detached tensor shares the original's counter.
+    return t.detach(), t._version
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            f"MegaTrainStrategy: a tensor of shape {tuple(t.shape)} that a streamed block saved for its backward "
+            "(one of its inputs, which its recompute starts from, or an activation a kept block saved) was changed "
+            "in place after the block's forward, so its backward would read the new values (autograd refuses the "
+            "same where it saved the tensor itself; a streamed block saves its inputs too). Write the new values "
+            "into a new tensor (x = torch.full_like(x, v), not x.fill_(v)) once the block has run.")
     return t
 
 
