@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from megatrain_lightning import cli, sweep
+from megatrain_lightning.blocks import BlockDetectionError
 from megatrain_lightning.errors import ConfigError
 
 
@@ -24,7 +25,7 @@ def main(cfg: DictConfig) -> dict:
         return sweep.run_job(cfg)
     try:
         return cli.train(cfg)
-    except ConfigError as err:
+    except (ConfigError, BlockDetectionError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

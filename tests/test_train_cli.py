@@ -129,6 +129,10 @@ BAD_INPUT = {
     "missing resume checkpoint": (["ckpt_path=/nonexistent/last.ckpt"],
                                   ["error: ckpt_path=/nonexistent/last.ckpt does not exist", "checkpoints/last.ckpt"]),
     "seed not a number": (["seed=abc"], ["error: seed='abc': expected an integer"]),
+    # found by a sweep of bad input (2026-12-06): a block class that matches nothing ended in a traceback; a file
+    # given as model.pretrained was said not to exist
+    "unknown block class": (["strategy.block_class=Foo"], ["error: block_class='Foo' matches no submodule"]),
+    "pretrained is a file": (["model.pretrained=bad.jsonl"], ["error: model.pretrained=bad.jsonl is a file"]),
     "pick_micro_batch not a boolean": (["pick_micro_batch=maybe"], ["error: pick_micro_batch='maybe': expected true or false"]),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],

@@ -61,7 +61,9 @@ def pretrained_config(path: str, weights: bool = True) -> PretrainedConfig:
     """The config of a local Hugging Face checkpoint directory; never touches the network. ``weights``: the
     directory must hold weight files too (the planner reads the config alone)."""
     if not os.path.isdir(path):
-        raise ConfigError(f"model.pretrained={path} does not exist (it must be a local Hugging Face checkpoint directory)")
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise ConfigError(f"model.pretrained={path} {what} (it must be a local Hugging Face checkpoint directory, the "
+                          "one holding config.json)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.pretrained={path} has no config.json: not a Hugging Face checkpoint directory")
     if weights and not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
