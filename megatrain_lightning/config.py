@@ -160,12 +160,19 @@ class EngineConfig:
         problems = []
         if self.slots is None:
             pass
-        elif not isinstance(self.slots, int) or self.slots < 2:
+        elif not isinstance(self.slots, int) or isinstance(self.slots, bool):
+            problems.append(f"slots={self.slots!r}: a whole number of device slots, >= 2")
+        elif self.slots < 2:
             problems.append(f"slots={self.slots!r}: at least 2 device slots are needed to overlap copies and compute")
         for name in ("keep_activations", "cache_weights"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 problems.append(f"{name}={value!r}: a number of blocks, >= 0")
+        for name in ("bf16_grads", "pin_memory", "overlap_optimizer", "overlap_next_forward"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and (value is not None or name.startswith("overlap")):
+                problems.append(f"{name}={value!r}: True or False" + ("" if name.startswith("overlap") else
+                                                                       " (None: chosen for the machine)"))
         if self.kept_saves is not None and self.kept_saves not in KEPT_SAVES:
             problems.append(f"kept_saves={self.kept_saves!r}: expected one of {KEPT_SAVES}")
         if self.offload_inputs is None or isinstance(self.offload_inputs, bool):

@@ -7,6 +7,7 @@ user would type, so a typo in any YAML, a broken interpolation or a renamed clas
 from __future__ import annotations
 
 import importlib.util
+import re
 import resource
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,21 @@ def test_values_of_the_wrong_type_are_named_with_what_is_expected(override: str,
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"slots": "2"}, "slots='2': a whole number of device slots, >= 2"),
+    ({"slots": True}, "slots=True: a whole number of device slots, >= 2"),
+    ({"slots": 1}, "slots=1: at least 2 device slots"),
+    ({"keep_activations": True}, "keep_activations=True: a number of blocks, >= 0"),
+    ({"overlap_next_forward": "false"}, "overlap_next_forward='false': True or False"),
+    ({"overlap_optimizer": None}, "overlap_optimizer=None: True or False"),
+    ({"pin_memory": "no"}, "pin_memory='no': True or False (None: chosen for the machine)"),
+    ({"bf16_grads": 1}, "bf16_grads=1: True or False"),
+])
+def test_engine_config_in_python_refuses_values_of_the_wrong_type(kwargs: dict, message: str) -> None:
+    """A string 'false' is truthy: taken as given it would mean the opposite. Named with what is expected."""
+    from megatrain_lightning import EngineConfig
+
+    with pytest.raises(ValueError, match="EngineConfig: " + re.escape(message)):
+        EngineConfig(**kwargs)
