@@ -120,6 +120,10 @@ class MegaTrainStrategy(ParallelStrategy):
         # id() of the exception last handled by _abort (not the exception: its traceback would keep the failed
         # step's frames, and the device tensors they hold, alive)
         self._aborted: int | None = None
+        names = [block_class] if isinstance(block_class, (str, type)) or block_class is None else block_class
+        if not isinstance(names, Sequence) or not all(isinstance(n, (str, type)) for n in names if n is not None):
+            raise TypeError(f"MegaTrainStrategy(block_class={block_class!r}): expected a module class, its name, or "
+                            "a list of them (block_class=\"LlamaDecoderLayer\"), or None to find the blocks")
         self.block_class = block_class
         self.meta_init = meta_init
         self._explicit_device = torch.device(device) if device is not None else None

@@ -180,6 +180,14 @@ def test_module_without_blocks_is_refused_with_what_to_pass() -> None:
         _trainer("megatrain", max_steps=1).fit(Plain(), _loader())
 
 
+@pytest.mark.parametrize("block_class", [123, [1]])
+def test_a_block_class_of_the_wrong_type_is_refused_when_the_strategy_is_built(block_class: Any) -> None:
+    from megatrain_lightning import MegaTrainStrategy
+
+    with pytest.raises(TypeError, match=r"block_class=.*expected a module class, its name, or a list of them"):
+        MegaTrainStrategy(block_class=block_class)
+
+
 def test_blocks_sharing_parameters_are_refused() -> None:
     module = BlockNet(depth=3)
     module.blocks[2].fc1.weight = module.blocks[0].fc1.weight
