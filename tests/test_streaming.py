@@ -8,6 +8,8 @@ from Lightning, and the clear refusals.
 from __future__ import annotations
 
 
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
@@ -182,8 +184,6 @@ def test_module_without_blocks_is_refused_with_what_to_pass() -> None:
 
 @pytest.mark.parametrize("block_class", [123, [1]])
 def test_a_block_class_of_the_wrong_type_is_refused_when_the_strategy_is_built(block_class: Any) -> None:
-    from megatrain_lightning import MegaTrainStrategy
-
     with pytest.raises(TypeError, match=r"block_class=.*expected a module class, its name, or a list of them"):
         MegaTrainStrategy(block_class=block_class)
 
