@@ -7,7 +7,6 @@ from Lightning, and the clear refusals.
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import lightning as L
