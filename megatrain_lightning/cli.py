@@ -372,7 +372,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start_em = None
     if validates:
         start_em = _metric(trainer.validate(model, datamodule=data, verbose=False)[0], "val/exact_match")
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except RuntimeError as err:
+        if ckpt_path is None or not str(err).startswith("Error(s) in loading state_dict"):
+            raise
+        first = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), "")
+        raise ConfigError(f"ckpt_path={ckpt_path}: its weights do not fit this model ({first}): resume with the model "
+                          "settings that run was trained with (its .hydra/config.yaml), or start a new run without "
+                          "ckpt_path") from None
     run = _find(trainer.callbacks, RunSummary)
     final: dict[str, Any] = {}
     if validates:  # the fit's own last validation, when it ran on the final weights; else one more

@@ -303,6 +303,11 @@ def test_a_run_resumes_from_an_earlier_runs_checkpoint(tmp_path: Path) -> None:
     assert run_dir != ckpt.parent.parent
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
     assert "`Trainer.fit` stopped: `max_steps=6` reached" in again.stdout + again.stderr
+    other = subprocess.run(train_cmd(f"ckpt_path={ckpt}", "model.config.hidden_size=64", "hardware=cpu"), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)  # another model's shape: one line, named
+    errors = [line for line in other.stderr.splitlines() if line.startswith("error: ")]
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert len(errors) == 1 and f"ckpt_path={ckpt}: its weights do not fit this model (size mismatch" in errors[0]
 
 
 def test_rows_longer_than_the_models_positions_are_warned_of(caplog: pytest.LogCaptureFixture) -> None:
