@@ -40,10 +40,11 @@ class MegaTrainPrecision(Precision):
 
     def __init__(self, precision: _PRECISION = "32-true", device_type: str = "cuda") -> None:
         if precision not in ("32-true", "bf16-mixed"):
-            raise ValueError(
-                f"MegaTrainStrategy supports precision='32-true' or 'bf16-mixed', got {precision!r}. "
-                "fp16 would need a loss scaler across host and device; use bf16-mixed."
-            )
+            why = {"16": "fp16 would need a loss scaler across host and device; use bf16-mixed",
+                   "bf": "bf16-true would keep bf16 masters; use bf16-mixed (fp32 masters on the host, bf16 on the "
+                         "device) or EngineConfig(host_state='compact') for bf16 host state",
+                   "64": "fp64 weights are not streamed; use 32-true"}.get(str(precision)[:2], "use 32-true or bf16-mixed")
+            raise ValueError(f"MegaTrainStrategy supports precision='32-true' or 'bf16-mixed', got {precision!r}: {why}.")
         self.precision = precision
         self.device_type = device_type
         self.engine: StreamingEngine | None = None

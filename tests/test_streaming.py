@@ -215,9 +215,12 @@ def test_mixed_block_list_is_refused_and_block_class_resolves_it() -> None:
         find_blocks(Mixed(), block_class="NoSuchBlock")
 
 
-def test_precision_outside_the_supported_set_is_refused() -> None:
-    with pytest.raises(ValueError, match="bf16-mixed"):
-        L.Trainer(accelerator="cpu", devices=1, strategy="megatrain", precision="16-true")
+@pytest.mark.parametrize("precision, why", [("16-true", "fp16 would need a loss scaler"),
+                                             ("bf16-true", "bf16-true would keep bf16 masters"),
+                                             ("64-true", "fp64 weights are not streamed; use 32-true")])
+def test_precision_outside_the_supported_set_is_refused(precision: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"got '{precision}': {why}"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="megatrain", precision=precision)
 
 
 class ManualNet(BlockNet):
