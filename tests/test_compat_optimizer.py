@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from compat_zoo import TokenBlocks, assert_exact
-from conftest import fit
+from conftest import fit, megatrain
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -128,7 +128,5 @@ def test_an_adam_subclass_with_its_own_step_runs_it() -> None:
 
 
 def test_compact_host_state_refuses_an_adam_subclass_with_its_own_step_by_name() -> None:
-    from conftest import megatrain
-
     with pytest.raises(ValueError, match=r"CentralisedAdamW \(a subclass with its own step\(\)"):
         fit(CentralisedBlocks, megatrain(host_state="compact"), max_steps=1)

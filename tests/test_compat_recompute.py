@@ -3,8 +3,10 @@ must see it: Python's and numpy's RNGs, a ``torch.Generator`` of its own, a coun
 flags of a pass in eval mode inside a training step, buffers the user replaces or changes between steps.
 Each trains exactly as under Lightning's default strategy. What cannot: a tensor with a gradient history
 hidden in an argument that torch's pytree does not flatten (refused in the first forward, naming it and the
-fix), and ``torch.utils.checkpoint(use_reentrant=True)`` inside a block (refused naming the block and the fix).
-Also: ``nn.TransformerEncoder``'s nested-tensor path in validation.
+fix), ``torch.utils.checkpoint(use_reentrant=True)`` inside a block (refused naming the block and the fix), a
+gradient taken through the blocks with ``create_graph=True`` and a block input changed in place after its forward
+(both refused in the first step, before any update). Also: ``nn.TransformerEncoder``'s nested-tensor path in
+validation.
 """
 
 from __future__ import annotations
