@@ -155,6 +155,9 @@ class MegaTrainPrecision(Precision):
         return closure_result
 
     def _step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any]) -> Any:
+        host = self.host_optimizers.get(id(optimizer))
+        if host is not None:
+            host.pre_step_hooks()  # before the closure, as the default strategy's optimizer.step(closure) runs them
         while True:
             try:
                 closure_result = closure()
@@ -184,7 +187,6 @@ class MegaTrainPrecision(Precision):
                 return closure_result
             self._consecutive = 0
         self._after_closure(model, optimizer)  # on_before_optimizer_step, configure_gradient_clipping
-        host = self.host_optimizers.get(id(optimizer))
         if self.engine is not None:
             self.engine.host_step_begins(claimed)  # a store updated on the device before comes home first
         if host is None:

@@ -295,14 +295,8 @@ class MegaTrainStrategy(ParallelStrategy):
             self.load_model_state_dict(*pending)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        # what the optimizers hold trains, even if it does not require grad now (BaseFinetuning, GANs)
-        self.engine.make_trainable([p for opt in self.optimizers for g in opt.param_groups for p in g["params"]])
-        stores = self.engine.all_stores()
-        hosts = {id(opt): HostOptimizer(opt, stores, self.engine.zero_grad) for opt in self.optimizers}
-        # Every zero_grad a user can reach must also clear the gradients the engine parks mid-step: the
-        # optimizer's (chained by HostOptimizer), its LightningOptimizer wrapper's (a subclass instance
-        # that does not forward zero_grad), and the module's own.
-        precision.attach(self.engine, hosts)
+        precision.attach(self.engine, {})
+        self._bind_optimizers()
         precision.skip_nonfinite = self.skip_nonfinite
         precision.on_abort = self._abort
         self.engine.check_finite(self.skip_nonfinite > 0)
@@ -320,15 +314,51 @@ class MegaTrainStrategy(ParallelStrategy):
                                            mlp_chunk_tokens=hparams.get("mlp_chunk_tokens"), say=rank_zero_info,
                                            warn=self._warn_host_bound, model=type(module).__name__)
         precision.placement = self.placement
-        self.setup_precision_plugin()  # re-wraps the optimizers: chain the wrappers after it
-        for wrapper in self._lightning_optimizers:
-            chain_zero_grad(wrapper, self.engine.zero_grad)
+        self._hosts_bound = True  # from here on, optimizers set (again) are bound as they come (the setter)
+        self.setup_precision_plugin()  # re-wraps the optimizers (through the setter)
         chain_zero_grad(module, self.engine.zero_grad)
         # a load_state_dict from anywhere (a callback, the user) writes the masters: device copies follow
         self._hooks = [module.register_load_state_dict_post_hook(lambda *_: self._weights_written())]
         # whether code other than the engine may write the weights between steps (then copies are refreshed)
         self._outside_writers = writers_between_steps(module, trainer)
         module._device = self.root_device  # LightningModule.device reports where the batches go
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]  # the wrappers
+        if getattr(self, "_hosts_bound", False) and self.engine is not None:
+            # set again (setup_precision_plugin), or replaced mid-fit (trainer.optimizers = ..., a callback's
+            # strategy.setup_optimizers): the new ones are stepped on the host as the first were
+            self._bind_optimizers()
+
+    def _bind_optimizers(self) -> None:
+        """A :class:`HostOptimizer` for each of the strategy's optimizers (those it has already are kept), and
+        every zero_grad a user can reach chained to the engine's, which also clears the gradients the engine
+        parks mid-step: the optimizer's (chained by HostOptimizer), its LightningOptimizer wrapper's (a
+        subclass instance that does not forward zero_grad); the module's own is chained once, in setup."""
+        engine = self.engine
+        assert engine is not None
+        precision = self.precision_plugin
+        old = precision.host_optimizers
+        hosts = {id(o): old[id(o)] for o in self.optimizers if id(o) in old and old[id(o)].optimizer is o}
+        for host in old.values():
+            if all(host is not h for h in hosts.values()):
+                host.close()  # an optimizer replaced: its hooks and zero_grad chain go with it
+        new = [o for o in self.optimizers if id(o) not in hosts]
+        # what the optimizers hold trains, even if it does not require grad now (BaseFinetuning, GANs)
+        if engine.make_trainable([p for o in new for g in o.param_groups for p in g["params"]]):
+            for host in hosts.values():
+                host.bind(engine.all_stores())
+        for o in new:
+            hosts[id(o)] = HostOptimizer(o, engine.all_stores(), engine.zero_grad,
+                                         around_load=(self._settle, engine.weights_changed))
+        precision.attach(engine, hosts)
+        for wrapper in self._lightning_optimizers:  # new wrappers each time the optimizers are set
+            chain_zero_grad(wrapper, engine.zero_grad)
 
     def _check_host_memory(self, module: pl.LightningModule, blocks: Sequence[torch.nn.Module], trainer: pl.Trainer) -> None:
         """Refuse, before the store allocates anything, a model whose host state cannot fit (setup_checks.py)."""
@@ -407,6 +437,9 @@ class MegaTrainStrategy(ParallelStrategy):
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
+        self._hosts_bound = False
+        for host in self.precision_plugin.host_optimizers.values():
+            host.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -631,14 +664,11 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._settle()  # moments the device holds ahead of the host go home before the loaded ones replace them
+        # Each load settles first (moments the device holds ahead of the host go home before the loaded ones
+        # replace them); the loaded moments then move into the flat host buffers and the device copies are
+        # refreshed: the host optimizer's load_state_dict hooks, as for a user's own call.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
-            host = self.precision_plugin.host_optimizers.get(id(optimizer))
-            if host is not None:
-                host.adopt_state()  # the loaded moments move into the flat host buffers
-        if self.engine is not None:
-            self.engine.weights_changed()  # device copies of masters and moments are refreshed from the host
 
     @classmethod
     @override

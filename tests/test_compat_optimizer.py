@@ -1,5 +1,6 @@
-"""The user's optimizer as they hold it: hyperparameters written during the step, and Adam subclasses with
-their own ``step``.
+"""The user's optimizer as they hold it: hyperparameters written during the step, Adam subclasses with
+their own ``step``, its state emptied or loaded by the user mid-fit, the optimizer replaced mid-fit, and its
+step pre-hooks.
 
 Lightning's default strategy reads ``param_groups`` at ``optimizer.step()``, after the training step and the
 hooks before the backward; a warm-up written by hand in ``training_step`` (or a callback's
@@ -11,6 +12,7 @@ kernels of plain AdamW.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -130,3 +132,126 @@ def test_an_adam_subclass_with_its_own_step_runs_it() -> None:
 def test_compact_host_state_refuses_an_adam_subclass_with_its_own_step_by_name() -> None:
     with pytest.raises(ValueError, match=r"CentralisedAdamW \(a subclass with its own step\(\)"):
         fit(CentralisedBlocks, megatrain(host_state="compact"), max_steps=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer's state and the optimizer itself, changed by the user mid-fit
+# ---------------------------------------------------------------------------------------------
+class ClearStateAt(pl.Callback):
+    """Restarts Adam at one step: ``optimizer.state.clear()`` (torch's Adam then starts from zero moments)."""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step, self.done = step, False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            trainer.optimizers[0].state.clear()
+
+
+class LrFound(TokenBlocks):
+    """What LearningRateFinder needs: a ``learning_rate`` attribute the optimizer is built from."""
+
+    def __init__(self) -> None:
+        super().__init__(n_val=8)
+        self.learning_rate = 3e-3
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, fused=True)
+
+
+@pytest.mark.parametrize("case", ["state.clear()", "LearningRateFinder"])
+def test_an_optimizer_state_emptied_mid_fit_restarts_from_zero_moments(case: str) -> None:
+    """The state emptied by the user, or by the finder's restore of its state-less checkpoint after its trial
+    steps: the flat moment buffers still held the old moments (4e-1 relative after 8 steps)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    if case == "state.clear()":
+        factory, callbacks, kw = TokenBlocks, lambda: [ClearStateAt()], {}
+    else:
+        factory, kw = LrFound, {"limit_val_batches": 2}
+        callbacks = lambda: [LearningRateFinder(min_lr=1e-5, max_lr=1e-1, num_training_steps=5,  # noqa: E731
+                                                early_stop_threshold=None)]
+    ref = fit(factory, None, callbacks=callbacks(), **kw)
+    got = fit(factory, "megatrain", callbacks=callbacks(), **kw)
+    assert_exact(ref, got)
+
+
+class LoadStateOnTrainStart(pl.Callback):
+    """The user's own ``optimizer.load_state_dict`` after the strategy's setup."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].load_state_dict(copy.deepcopy(self.state))
+
+
+def test_a_users_load_state_dict_after_setup_takes_the_loaded_moments() -> None:
+    """The loaded step counts were used but the moments dropped (5e-1 relative)."""
+    first = fit(TokenBlocks, None, max_steps=3)
+    state = copy.deepcopy(first.trainer.optimizers[0].state_dict())
+    ref = fit(TokenBlocks, None, max_steps=4, callbacks=[LoadStateOnTrainStart(state)])
+    got = fit(TokenBlocks, "megatrain", max_steps=4, callbacks=[LoadStateOnTrainStart(state)])
+    assert_exact(ref, got)
+    p = got.module.blocks[0].fc1.weight
+    assert float(got.trainer.optimizers[0].state[p]["step"]) == 7.0
+
+
+class ReplaceOptimizerAt(pl.Callback):
+    """Replaces the optimizer mid-fit, as a user would: ``trainer.optimizers = [...]`` or Lightning's own
+    ``strategy.setup_optimizers`` (the module's configure_optimizers again)."""
+
+    def __init__(self, how: str, step: int = 3) -> None:
+        self.how, self.step, self.done = how, step, False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            if self.how == "assign":
+                trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.1, momentum=0.9)]
+            else:
+                trainer.strategy.setup_optimizers(trainer)
+
+
+@pytest.mark.parametrize("how", ["assign", "setup_optimizers"])
+def test_an_optimizer_replaced_mid_fit_is_stepped_on_the_host_like_the_first(how: str) -> None:
+    """The new optimizer's zero_grad never cleared the resident gradients (they grew step by step: 2.6
+    relative) and it ran outside the host optimizer."""
+    ref = fit(TokenBlocks, None, callbacks=[ReplaceOptimizerAt(how)])
+    got = fit(TokenBlocks, "megatrain", callbacks=[ReplaceOptimizerAt(how)])
+    assert_exact(ref, got)
+    hosts = got.trainer.strategy.precision_plugin.host_optimizers  # emptied at teardown
+    assert hosts == {}
+
+
+class PreHookScalesGradients(TokenBlocks):
+    """An optimizer step pre-hook that scales the gradients it sees and counts them. Lightning's default
+    strategy runs it inside ``optimizer.step(closure)`` before the closure: it sees the step before's gradients,
+    which the closure's zero_grad then clears (so the scaling has no effect on training)."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 3e-3)
+        self.seen: list[int] = []
+
+    def configure_optimizers(self) -> Any:
+        opt = super().configure_optimizers()
+
+        def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            for g in grads:
+                g.mul_(0.3)
+            self.seen.append(len(grads))
+
+        opt.register_step_pre_hook(pre_hook)
+        return opt
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_step_pre_hooks_run_where_the_default_strategy_runs_them(optimizer: str) -> None:
+    """Before the closure (they ran after the backward and scaled this step's gradients: 4e-1 relative)."""
+    ref = fit(lambda: PreHookScalesGradients(optimizer), None, max_steps=4)
+    got = fit(lambda: PreHookScalesGradients(optimizer), "megatrain", max_steps=4)
+    assert ref.module.seen[0] == 0 and ref.module.seen[1] > 0
+    assert got.module.seen == ref.module.seen
+    assert_exact(ref, got)

@@ -226,7 +226,7 @@ class StreamingEngine:
         self.grads.abort()
         for store in self.all_stores():
             store.drop_half_grad()
-        self.resident.to_host(None)
+        self.resident.to_host(None, keep_writes=False)
         self.resident.end_backward(complete=False)
         self.offload.reset()
         self.state.end_micro_batch()

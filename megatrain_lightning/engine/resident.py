@@ -55,6 +55,7 @@ class ResidentPart:
     on_device: bool = False  # the parameters' ``.data`` are the device views
     stale: bool = True  # the masters changed since the device copy was made
     saved_grads: list[torch.Tensor | None] = field(default_factory=list)  # host ``.grad`` parked during a step
+    versions: list[int] = field(default_factory=list)  # the parameters' versions as they went on the device
     sent_early: bool = False  # this backward's gradients went home at its first block
     # Updated on the device (device_update.py): its Adam moments there, fresh while the host's are the
     # same; the event of the last copy of masters and moments home; whether this step's update ran there
@@ -120,8 +121,7 @@ class ResidentParts:
         self.after_follows_blocks = True
         self.after_watched = False
         self._blocks_backward_began = False  # this micro-batch's
-        self._after_names = {id(p): n for n, p in root.named_parameters()
-                             if self.after is not None and any(p is q for q in self.after.store.params)}
+        self._names = {id(p): n for n, p in root.named_parameters()}
         # Any module owning a resident parameter pulls its part onto the device when it runs.
         self._owned: dict[int, list[ResidentPart]] = self._owners(root, blocks)
         self._hooks = [m.register_forward_pre_hook(self._pre_hook) for m in self._owner_modules]
@@ -204,6 +204,7 @@ class ResidentParts:
             part.saved_grads.append(p.grad)
             p.grad = None  # device gradients accumulate from zero; the host keeps what was there
             p.data = dv
+        part.versions = [p._version for p in store.params]  # a write in place bumps them (see _written)
         part.on_device = True
 
     def relaid(self, key: int, store: FlatStore) -> None:
@@ -239,16 +240,55 @@ class ResidentParts:
                         g.zero_()
 
     # ------------------------------------------------------------------ back to the host
-    def to_host(self, then: Any) -> None:
+    def to_host(self, then: Any, keep_writes: bool = True) -> None:
         """Every part back to its host masters; its device gradients go home (into ``then``, the update,
-        when one overlaps)."""
+        when one overlaps), and what the step wrote into its weights in place too (not after an abort:
+        ``keep_writes`` False)."""
         for part in self.parts:
-            self._part_to_host(part, then)
+            self._part_to_host(part, then, keep_writes)
 
-    def _part_to_host(self, part: ResidentPart, then: Any) -> None:
+    def _written(self, part: ResidentPart) -> list[int]:
+        """Layout indices of the part's parameters written in place on the device this step (``nn.Embedding(
+        max_norm=...)`` renormalises rows of its weight in its forward; a ``clamp_`` under no_grad in the training
+        step). Writes through ``.data`` bypass the version counter and are not seen."""
+        return [i for i, (p, v) in enumerate(zip(part.store.params, part.versions)) if p._version != v]
+
+    def _can_take_back(self, part: ResidentPart, i: int) -> bool:
+        """Whether a write to parameter ``i`` on the device can go into its host master exactly: an fp32 master
+        of this process's own (not compact's bf16 halves, not a bf16 frozen weight, not a node's shared copy)."""
+        return part.store.master_views[i].dtype == torch.float32 and part.store.published is None
+
+    def refuse_untakeable_writes(self) -> None:
+        """The first block's backward begins, before any update: refuse a write in place (see :meth:`_written`)
+        that cannot go home exactly, naming the parameter."""
+        for part in self.parts:
+            if not part.on_device:
+                continue
+            bad = [self._names.get(id(part.store.params[i]), "?") for i in self._written(part)
+                   if not self._can_take_back(part, i)]
+            if bad:
+                raise RuntimeError(
+                    f"MegaTrainStrategy cannot train {', '.join(bad)} exactly: this step wrote it in place "
+                    "(nn.Embedding(max_norm=...) renormalises rows in its forward; a clamp_ under no_grad), and its "
+                    "host copy is not an fp32 master of this process's own (host_state='compact' keeps bf16 halves, "
+                    "a frozen weight kept in bf16, or data parallel's shared copy), so the write cannot go home "
+                    "exactly. Use host_state='fp32' on one device, or make the write between steps (in "
+                    "on_train_batch_end, on the weights themselves).")
+
+    def _part_to_host(self, part: ResidentPart, then: Any, keep_writes: bool = True) -> None:
         if not part.on_device:
             return
         store = part.store
+        written = self._written(part)
+        if written and keep_writes:
+            self.refuse_untakeable_writes()
+            with torch.no_grad():
+                for i in written:
+                    # Sync point: a blocking copy on the compute stream, after the kernel that wrote it. Rare
+                    # (a module that writes its weights in place): the default strategy's weights have the write too.
+                    store.master_views[i].copy_(store.params[i].detach())
+        elif written:
+            part.stale = True  # an aborted step: the device copy's write is dropped with the step
         grads = [p.grad for p in store.params]
         for p, host_view, saved in zip(store.params, store.master_views, part.saved_grads):
             p.grad = None
@@ -267,6 +307,7 @@ class ResidentParts:
         now, so that their update runs beside the blocks' backward instead of after it."""
         if first:
             self._blocks_backward_began = True
+            self.refuse_untakeable_writes()
         part = self.after
         if (not first or part is None or not part.on_device or then is None or not self.after_follows_blocks
                 or not self.after_watched):
@@ -290,7 +331,7 @@ class ResidentParts:
         if self.after is None or not self._blocks_backward_began:
             return
         if self.after.sent_early:
-            name = self._after_names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+            name = self._names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
             raise RuntimeError(
                 f"MegaTrainStrategy: {name} got a gradient after the blocks' backward had begun, so after its "
                 "gradients had gone home and its update had started: this step used it before the blocks ran "

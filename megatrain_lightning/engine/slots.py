@@ -46,6 +46,7 @@ class BlockBinding:
         self.device_buffers: list[torch.Tensor] = [b for _, _, b in buffers]
         self.device = torch.device("cpu")
         self.host_versions = [b._version for _, _, b in buffers]
+        self.written: list[int] = []  # layout indices of the parameters the last bound() call wrote in place
 
     def same_structure(self) -> None:
         """Refuses a block whose parameters were re-registered since setup (``torch.nn.utils.prune`` and
@@ -100,11 +101,15 @@ class BlockBinding:
         if any(mod._buffers.get(name) is not b or b._version != v
                for (mod, name, b), v in zip(self.buffer_sites, self.host_versions)):
             self.refresh_buffers(self.device)
+        bound = []
         for sites, t in zip(self.param_sites, tensors):
             if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()  # differentiable: the gradient reaches the slot's leaf
+            bound.append(t)
             for mod, name in sites:
                 mod._parameters[name] = t  # type: ignore[assignment]
+        versions = [t._version for t in bound]  # a parameter written in place by the call: see written_params
+        self.written = []
         if check:
             self._versions = [b._version for b in self.device_buffers]
         for (mod, name, _), b in zip(self.buffer_sites, self.device_buffers):
@@ -115,11 +120,30 @@ class BlockBinding:
             if check:  # a buffer the call replaced (its new tensor is dropped below)
                 self._replaced = {i for i, ((mod, name, _), b) in enumerate(zip(self.buffer_sites, self.device_buffers))
                                   if mod._buffers.get(name) is not b}
+            if any(t._version != v for t, v in zip(bound, versions)):
+                self.written = self._changed(bound)
             for sites, p in zip(self.param_sites, self.params):
                 for mod, name in sites:
                     mod._parameters[name] = p
             for mod, name, b in self.buffer_sites:
                 mod._buffers[name] = b
+
+    def _changed(self, bound: Sequence[torch.Tensor]) -> list[int]:
+        """A call wrote into its bound weights (a version moved; views of one slot share a counter): the layout
+        indices of those whose values now differ from their host masters', or every index where none does (a
+        write that changed nothing this time)."""
+        with torch.no_grad():
+            changed = [i for i, (t, p) in enumerate(zip(bound, self.params))
+                       if not torch.equal(t, p.detach().to(t.device, t.dtype))]
+        return changed or list(range(len(bound)))
+
+    def written_params(self) -> list[str]:
+        """Names of the parameters the last :meth:`bound` call wrote in place (``nn.Embedding(max_norm=...)``
+        renormalises its weight in its forward; a ``clamp_`` under no_grad). Writes through ``.data`` are not seen
+        (they bypass the version counter)."""
+        paths = {id(m): n for n, m in self.block.named_modules()}
+        return [f"{paths.get(id(mod)) or type(mod).__name__}.{name}".lstrip(".")
+                for i in self.written for mod, name in self.param_sites[i][:1]]
 
 
 class DeviceSlots:

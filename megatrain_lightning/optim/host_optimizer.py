@@ -19,9 +19,11 @@ loads such a state dict too (moments cast to its parameters' dtype, ``master_low
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import OrderedDict
 from itertools import chain
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -95,17 +97,25 @@ class _Range:
             self._views = views(ea), views(eas), views(low) if low is not None else None
         return self._views
 
-    def ensure_state(self, st: dict[str, Any], i: int) -> dict[str, Any]:
-        """A parameter's Adam state on its first step: views of the store's moments (and low half)."""
+    def ensure_state(self, st: dict[str, Any], i: int, device_moments: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
+        """A parameter's Adam state on its first step: views of the store's moments (and low half), zeroed
+        as torch starts them (the buffers may hold an earlier state: one a user's ``optimizer.state.clear()``
+        or a tuner's restore of a state-less checkpoint emptied). ``device_moments``: the flat device copies
+        of the moments an update on the device reads instead (their slice is zeroed too)."""
         if not st:
             ea, eas, low = self.state_views()
             # data parallel: the step count is the node's shared one (any rank's state is the owner's)
             counts = self.store.step_counts
+            if counts is not None:
+                counts[i].zero_()
             st["step"] = counts[i] if counts is not None else torch.tensor(0.0)
-            st["exp_avg"] = ea[i]
-            st["exp_avg_sq"] = eas[i]
+            st["exp_avg"] = ea[i].zero_()
+            st["exp_avg_sq"] = eas[i].zero_()
+            start = self.store.layout.offsets[i]
+            for m in device_moments:
+                m[start : start + ea[i].numel()].zero_()
             if low is not None:
-                st["master_low"] = low[i]
+                st["master_low"] = low[i]  # the weight's low half, not optimizer state: kept
         return st
 
     def pieces(self, state: dict[Any, Any]) -> list[Piece]:
@@ -150,16 +160,18 @@ class _Range:
             torch._foreach_add_(steps, 1)
         return out
 
-    def device_pieces(self, state: dict[Any, Any], grads: Sequence[torch.Tensor | None], device: torch.device
-                      ) -> list[Piece]:
-        """:meth:`pieces` for an update on the device: ``grads`` are device tensors in layout order; the
-        host step counts are incremented as there, the kernel reads device copies of them."""
+    def device_pieces(self, state: dict[Any, Any], grads: Sequence[torch.Tensor | None], device: torch.device,
+                      moments: Sequence[torch.Tensor]) -> list[Piece]:
+        """:meth:`pieces` for an update on the device: ``grads`` are device tensors in layout order, ``moments``
+        the flat device moments it updates; the host step counts are incremented as there, the kernel reads
+        device copies of them."""
         offsets = self.store.layout.offsets
         out: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for i, p in zip(self.indices, self.params):
             g = grads[i]
             if g is not None:  # as torch: a parameter without a gradient is not updated, not even decayed
-                out.append((offsets[i], offsets[i] + p.numel(), g.reshape(-1), self.ensure_state(state[p], i)["step"]))
+                step = self.ensure_state(state[p], i, moments)["step"]
+                out.append((offsets[i], offsets[i] + p.numel(), g.reshape(-1), step))
         if out:
             torch._foreach_add_([step for *_, step in out], 1)
         if device.type == "cpu":
@@ -177,18 +189,24 @@ class HostOptimizer:
         stores: the engine's flat stores (blocks and resident parts).
         on_zero_grad: told of every ``optimizer.zero_grad(set_to_none)``, so gradients the engine holds
             aside during a step are cleared too.
+        around_load: (before, after), called around every ``optimizer.load_state_dict``: before, nothing may
+            update the state any more (the engine settles); after, the masters and moments the device holds
+            are refreshed from the host.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, stores: Sequence[FlatStore],
-                 on_zero_grad: Callable[[bool], None] | None = None) -> None:
+                 on_zero_grad: Callable[[bool], None] | None = None,
+                 around_load: tuple[Callable[[], None], Callable[[], None]] | None = None) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 "MegaTrainStrategy cannot step torch.optim.LBFGS: it evaluates the loss again inside its step (its "
                 "closure runs forward and backward several times), where the strategy steps the host masters once "
                 "after the backward. Use another optimizer, or train with Lightning's default strategy.")
         self.optimizer = optimizer
+        self._own_zero_grad = optimizer.__dict__.get("zero_grad")  # put back by close()
         if on_zero_grad is not None:
             chain_zero_grad(optimizer, on_zero_grad)
+        self._around_load = around_load
         self.fast = is_fast_adam(optimizer)
         self.compact = any(s.compact for s in stores)
         if self.compact and not self.fast:
@@ -206,12 +224,12 @@ class HostOptimizer:
         self.ranges: list[list[_Range]] = []
         self._bound_groups: list[list[int]] = []
         self.bind(stores)
-        if self.compact:
-            # torch's load_state_dict casts every state tensor to its parameter's dtype (bf16), which
-            # would round the int16 low halves: set them aside before, put them back after.
-            self._held_low: dict[int, torch.Tensor] = {}
-            optimizer.register_load_state_dict_pre_hook(self._hold_low_halves)
-            optimizer.register_load_state_dict_post_hook(self._restore_low_halves)
+        # A load_state_dict from anywhere (a checkpoint, a tuner's restore, the user's own call) builds fresh
+        # state tensors: they move into the store after it. Compact: torch's load casts every state tensor to its
+        # parameter's dtype (bf16), which would round the int16 low halves: set aside before, put back after.
+        self._held_low: dict[int, torch.Tensor] = {}
+        self._hooks = [optimizer.register_load_state_dict_pre_hook(self._hold_low_halves),
+                       optimizer.register_load_state_dict_post_hook(self._restore_low_halves)]
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter the optimizer holds, in its param groups (those added later included)."""
@@ -298,8 +316,23 @@ class HostOptimizer:
                     st["exp_avg"] = ea_views[i]
                     st["exp_avg_sq"] = eas_views[i]
 
-    def _hold_low_halves(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """load_state_dict pre-hook: take the int16 ``master_low`` tensors out before torch casts them."""
+    def close(self) -> None:
+        """The strategy lets go of the optimizer (teardown, or the optimizer was replaced): its hooks and
+        its chained ``zero_grad`` go."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.optimizer.__dict__.pop("zero_grad", None)
+        if self._own_zero_grad is not None:
+            self.optimizer.zero_grad = self._own_zero_grad
+
+    def _hold_low_halves(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        """load_state_dict pre-hook: nothing updates the state any more; compact: take the int16 ``master_low``
+        tensors out before torch casts them."""
+        if self._around_load is not None:
+            self._around_load[0]()
+        if not self.compact:
+            return None
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in optimizer.param_groups for p in g["params"]]
         by_id = dict(zip(ids, params))
@@ -322,10 +355,22 @@ class HostOptimizer:
                 if low is not None and optimizer.state.get(p):
                     optimizer.state[p]["master_low"] = low
         self.adopt_state()  # into the store now, whoever called load_state_dict
+        if self._around_load is not None:
+            self._around_load[1]()
 
     # ------------------------------------------------------------------ step
+    def pre_step_hooks(self) -> None:
+        """The optimizer's step pre-hooks (global ones first), where Lightning's default strategy runs them:
+        its ``optimizer.step(closure)`` runs them before the closure (the training step, zero_grad and the
+        backward), so they see the gradients of the step before. The strategy calls this before the closure,
+        and :meth:`step` does not run them again."""
+        opt = self.optimizer
+        for hook in chain(list(_global_optimizer_pre_hooks.values()), list(opt._optimizer_step_pre_hooks.values())):
+            hook(opt, (), {})
+
     def step(self, skip: Collection[int] = ()) -> None:
-        """One optimizer step on the host, with the optimizer's step hooks run around it as ``step()`` would.
+        """One optimizer step on the host, with the optimizer's step post-hooks run after it as ``step()``
+        would (its pre-hooks ran before the closure: :meth:`pre_step_hooks`).
 
         Stores whose ids are in ``skip`` were handed to an :meth:`overlap_update` of this step: they are
         updated already, or will be by the time the engine next uses them.
@@ -334,11 +379,10 @@ class HostOptimizer:
         if not self.fast:
             assert not skip
             t0 = time.perf_counter()
-            opt.step()  # the optimizer's own step, its hooks included
+            with _without_pre_hooks(opt):
+                opt.step()  # the optimizer's own step, its post-hooks included
             self.update_seconds += time.perf_counter() - t0
             return
-        for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
-            hook(opt, (), {})
         t0 = time.perf_counter()
         with torch.no_grad():
             for group, ranges in zip(opt.param_groups, self.ranges):
@@ -414,12 +458,26 @@ class StoreUpdate:
             for hyper, ranges in zip(self.hypers, self.host.ranges):
                 for r in ranges:
                     if r.store is store:
-                        step_fp32(master, exp_avg, exp_avg_sq, r.device_pieces(state, grads, master.device), hyper)
+                        step_fp32(master, exp_avg, exp_avg_sq, r.device_pieces(state, grads, master.device, (exp_avg, exp_avg_sq)), hyper)
 
     @staticmethod
     def prefers_half_grads() -> bool:
         """Asked by the engine for ``bf16_grads=None``: bf16 gradients pay where the one-pass kernel builds."""
         return kernels.half_grads_pay()
+
+
+@contextlib.contextmanager
+def _without_pre_hooks(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """``opt.step()`` without its step pre-hooks (they ran before the closure). Sync point: the global ones are
+    out of the registry meanwhile; no other thread steps a torch optimizer (the host worker runs kernels)."""
+    own, held = opt._optimizer_step_pre_hooks, dict(_global_optimizer_pre_hooks)
+    opt._optimizer_step_pre_hooks = OrderedDict()
+    _global_optimizer_pre_hooks.clear()
+    try:
+        yield
+    finally:
+        opt._optimizer_step_pre_hooks = own
+        _global_optimizer_pre_hooks.update(held)
 
 
 def chain_zero_grad(owner: Any, callback: Callable[[bool], None]) -> None:
