@@ -259,6 +259,27 @@ def test_generate_with_a_kv_cache_in_validation_matches() -> None:
     assert torch.equal(ref.module.generated[0], got.module.generated[0]), (ref.module.generated, got.module.generated)
 
 
+def test_a_kv_cache_dropped_in_training_is_said_once() -> None:
+    """use_cache=True (Hugging Face configs' default) in training: the blocks do not fill the cache (their
+    recompute would append twice), so the output's past_key_values is empty where the default strategy's holds
+    the sequence. One warning says so and how to turn it off; use_cache=False gets none."""
+    with pytest.warns(UserWarning, match=r"block 0 \(LlamaDecoderLayer\) was handed a KV cache") as seen:
+        fit(lambda: Family(family="llama"), "megatrain", max_steps=3)
+    assert sum("was handed a KV cache" in str(w.message) for w in seen) == 1
+
+    class NoCache(Family):
+        def __init__(self) -> None:
+            super().__init__(family="llama")
+            self.model.config.use_cache = False
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        fit(NoCache, "megatrain", max_steps=2)
+    assert not [w for w in quiet if "KV cache" in str(w.message)]
+
+
 def test_prefix_tuning_refused_before_any_update() -> None:
     """peft's prefix tuning hands every layer a cache holding its virtual tokens: refused in the first forward,
     naming the layer and what to use instead, the weights as they were."""

@@ -10,6 +10,8 @@ switched off in calls with grad: the recompute must not append to it a second ti
 from __future__ import annotations
 
 import sys
+import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -35,7 +37,15 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
                 return engine.run_forward(index, args, kwargs, weights=weights)
             finally:
                 engine.release(index)
-        args = no_kv_cache(args, kwargs, index, block)
+        args, dropped = no_kv_cache(args, kwargs, index, block)
+        if dropped and engine not in _told_of_cache:
+            _told_of_cache.add(engine)
+            warnings.warn(
+                f"MegaTrainStrategy: block {index} ({type(block).__name__}) was handed a KV cache (use_cache=True) in "
+                "a call with grad: streamed blocks do not fill it in training (the backward's recompute would append "
+                "to it a second time), so the model's past_key_values come back empty. Pass use_cache=False (or set "
+                "config.use_cache = False) to train without one; calls without grad (generate()) fill it as usual.",
+                stacklevel=2)
         refuse_hidden_grad_tensors(index, block, args, kwargs)
         state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
         spec = CallSpec(args, kwargs)
@@ -123,12 +133,15 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
-def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tuple:
+_told_of_cache: "weakref.WeakSet[Any]" = weakref.WeakSet()  # engines whose run was warned of a dropped KV cache
+
+
+def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tuple[tuple, bool]:
     """A call with grad to a Hugging Face layer: its recompute in the backward must not append to a KV cache a
     second time (its attention would run over the forward's keys and the recompute's, the forward's detached:
     silently wrong gradients). ``kwargs``'s cache keywords and any transformers ``Cache`` among ``args`` or
     ``kwargs`` become None (GPT-2, ImageGPT and others pass the cache by position), in place for ``kwargs``;
-    returns the args. A cache that already holds tokens (prefix tuning's virtual tokens, a continued sequence)
+    returns the args and whether a cache was dropped (the model's output cache stays empty: the caller warns). A cache that already holds tokens (prefix tuning's virtual tokens, a continued sequence)
     is what the layer attends to: refused, since the block's inputs would not carry its gradient."""
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
@@ -154,4 +167,4 @@ def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tupl
             kwargs[key] = None
     if caches:
         args = tuple(None if any(a is c for c in caches) else a for a in args)
-    return args
+    return args, bool(caches)
