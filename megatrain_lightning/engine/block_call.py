@@ -141,8 +141,9 @@ def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tupl
     second time (its attention would run over the forward's keys and the recompute's, the forward's detached:
     silently wrong gradients). ``kwargs``'s cache keywords and any transformers ``Cache`` among ``args`` or
     ``kwargs`` become None (GPT-2, ImageGPT and others pass the cache by position), in place for ``kwargs``;
-    returns the args and whether a cache was dropped (the model's output cache stays empty: the caller warns). A cache that already holds tokens (prefix tuning's virtual tokens, a continued sequence)
-    is what the layer attends to: refused, since the block's inputs would not carry its gradient."""
+    returns the args and whether a cache was dropped (the model's output cache stays empty: the caller warns).
+    A cache that already holds tokens (prefix tuning's virtual tokens, a continued sequence) is what the layer
+    attends to: refused, since the block's inputs would not carry its gradient."""
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     cache_utils = sys.modules.get("transformers.cache_utils")  # no Cache object exists before it is imported
