@@ -244,6 +244,10 @@ class MegaTrainStrategy(ParallelStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         check_supported(module, trainer)
+        torn = module.__dict__.get("_megatrain_torn")
+        if torn is not None and trainer.ckpt_path is None:
+            rank_zero_warn(f"MegaTrainStrategy: {type(module).__name__}'s weights mix two steps ({torn}); this run "
+                           "starts from them. Resume from a checkpoint (ckpt_path=...) to start from a whole step.")
         hint = experts_hint(module)
         if hint is not None:
             rank_zero_info(hint)
@@ -418,10 +422,14 @@ class MegaTrainStrategy(ParallelStrategy):
             self.engine.weights_changed()
 
     def _refresh_if_written(self) -> None:
-        """Before a step: if anything but the engine may have written the weights since the last one, take
-        what it wrote (``engine.reclaim``). Without such hooks or callbacks this costs nothing: an
-        optimizer step refreshes the device copies anyway."""
-        if self.engine is not None and getattr(self, "_outside_writers", False):
+        """Before a step: if anything but the engine may have written the weights since the last one (a hook
+        or callback between steps, an optimizer step post-hook: weight clipping), take what it wrote
+        (``engine.reclaim``; the copies an update on the device left there too). Without such hooks or
+        callbacks this costs nothing: an optimizer step refreshes the other device copies anyway."""
+        if self.engine is None:
+            return
+        if getattr(self, "_outside_writers", False) or any(
+                h.has_post_hooks() for h in self.precision_plugin.host_optimizers.values()):
             self.engine.reclaim()
 
     @override
@@ -535,6 +543,14 @@ class MegaTrainStrategy(ParallelStrategy):
                 f"the step after global_step {step} was stopped by {type(exc).__name__}: {exc} after {what}, so "
                 "the weights and optimizer state mix two steps"
             )
+            # Said where the user looks (the exception) and kept on the module: a later fit, validate or test of
+            # it warns at setup, unless it resumes from a checkpoint.
+            exc.add_note(f"MegaTrainStrategy: {what} when this exception stopped the step, so the module's weights "
+                         "and optimizer state now mix two steps (saving them is refused). Resume from the last "
+                         "checkpoint (trainer.fit(..., ckpt_path='last')) rather than using this module as it is; "
+                         "EngineConfig(overlap_optimizer=False) leaves a step's state whole under such exceptions.")
+            if self.lightning_module is not None:
+                self.lightning_module.__dict__["_megatrain_torn"] = self._torn
 
     def _sync_trainable(self) -> None:
         """Before a step: parameters unfrozen or added to an optimizer since the last one (``BaseFinetuning``'s
@@ -659,6 +675,8 @@ class MegaTrainStrategy(ParallelStrategy):
             return
         self._settle()
         super().load_model_state_dict(checkpoint, strict=strict)  # copies into the master views (or the module)
+        if module is not None:
+            module.__dict__.pop("_megatrain_torn", None)  # whole again: a checkpoint's weights
         if self.engine is not None:
             self.engine.weights_changed()
 

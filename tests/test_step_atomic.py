@@ -215,6 +215,31 @@ def test_both_outcomes_were_seen() -> None:
     print("\nfault outcomes:", OUTCOMES)
 
 
+def test_a_torn_step_says_so_in_its_exception_and_when_the_module_is_used_again(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault in the backward after some of the step's host updates ran: the exception carries a note that
+    the module's weights now mix two steps (saving was only refused before, when a checkpoint was asked for), and
+    a later run on the module warns at setup, unless it resumes from a checkpoint."""
+    _inject(monkeypatch, "block backward", 3)
+    built: list[pl.LightningModule] = []
+
+    def build() -> pl.LightningModule:
+        built.append(FACTORY())
+        return built[-1]
+
+    with pytest.raises(Fault) as err:
+        fit(build, megatrain(), max_steps=STEP + 2, callbacks=[_inject.counter])
+    notes = " ".join(getattr(err.value, "__notes__", []))
+    assert "host updates had run when this exception stopped the step" in notes, notes
+    assert "ckpt_path='last'" in notes, notes
+    monkeypatch.undo()
+    trainer = pl.Trainer(strategy=megatrain()(), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    with pytest.warns(UserWarning, match=r"TinyLlama's weights mix two steps \(the step after global_step 2"):
+        trainer.validate(built[-1], dataloaders=built[-1].train_dataloader())
+
+
 def test_a_ctrl_c_in_the_backward_waits_for_the_step_and_resumes_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict
 ) -> None:

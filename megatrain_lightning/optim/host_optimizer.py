@@ -402,11 +402,14 @@ class HostOptimizer:
         opt = self.optimizer
         return self.fast and not _global_optimizer_pre_hooks and not opt._optimizer_step_pre_hooks
 
+    def has_post_hooks(self) -> bool:
+        """Whether a step post-hook runs after :meth:`step` (it may write the host masters: weight clipping)."""
+        return bool(_global_optimizer_post_hooks or self.optimizer._optimizer_step_post_hooks)
+
     def can_defer(self) -> bool:
         """Whether those updates may also run on after :meth:`step` returns: no post-step hook either
         (it must see every update done)."""
-        opt = self.optimizer
-        return self.can_overlap() and not _global_optimizer_post_hooks and not opt._optimizer_step_post_hooks
+        return self.can_overlap() and not self.has_post_hooks()
 
     def overlap_update(self) -> StoreUpdate:
         """The update of one store, to run on the host worker as soon as its gradients are final.
