@@ -282,6 +282,8 @@ class ResidentParts:
         written = self._written(part)
         if written and keep_writes:
             self.refuse_untakeable_writes()
+            if part.landed is not None:
+                part.landed.synchronize()  # host wait: a device update's copy home no longer writes the masters
             with torch.no_grad():
                 for i in written:
                     # Sync point: a blocking copy on the compute stream, after the kernel that wrote it. Rare
