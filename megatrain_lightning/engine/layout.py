@@ -47,14 +47,29 @@ class FlatLayout:
             cursor = align(cursor + self.params[i].numel(), self.ALIGN_ELEMS)
         self.wide_numel = cursor
 
-    def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None,
+              narrow: tuple[int, torch.dtype] | None = None) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like each parameter, in layout order; with ``wide``, the weights of one
-        dimension view ``wide`` instead (their fp32 copies)."""
+        dimension view ``wide`` instead (their fp32 copies); with ``narrow`` = (start, dtype), the parameters
+        from element ``start`` on (a frozen region) view that region's memory reinterpreted as ``dtype``, no
+        wider than ``flat``'s, at the same element offsets from ``start`` (see :meth:`narrow_region`)."""
         out = [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+        if narrow is not None:
+            start, dtype = narrow
+            region = self.narrow_region(flat, start, dtype)
+            for i, (o, p) in enumerate(zip(self.offsets, self.params)):
+                if o >= start:
+                    out[i] = region[o - start : o - start + p.numel()].view(p.shape)
         if wide is not None:
             for i, w in zip(self.wide, self.wide_offsets):
-                out[i] = wide[w : w + self.params[i].numel()].view(self.params[i].shape)
+                if narrow is None or self.offsets[i] < narrow[0]:
+                    out[i] = wide[w : w + self.params[i].numel()].view(self.params[i].shape)
         return out
+
+    def narrow_region(self, flat: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
+        """``flat[start:]``'s memory as ``self.numel - start`` elements of the narrower ``dtype`` (a slot's frozen
+        region holding bf16 weights in an fp32 slot: they keep their dtype, as under the default strategy)."""
+        return flat[start : self.numel].view(dtype)[: self.numel - start]
 
     def wide_pairs(self, wide: torch.Tensor, flat: torch.Tensor, start: int, end: int
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -79,8 +79,18 @@ class WeightStream:
         self._prefetch(current=block)
         key = (block, s)
         if key not in self._views:
-            self._views[key] = self.stores[block].layout.views(self.slots.buffers[s], self.slots.wide[s])
+            store = self.stores[block]
+            self._views[key] = store.layout.views(self.slots.buffers[s], self.slots.wide[s], self._narrow(store))
         return self._views[key]
+
+    def _narrow(self, store: FlatStore) -> tuple[int, torch.dtype] | None:
+        """Where a slot holds ``store``'s frozen weights in their own, narrower dtype: (start, dtype) of its
+        frozen region, in an fp32 slot ("32-true") for bf16/fp16 frozen weights (a frozen bf16 teacher, a bf16
+        base under adapters compute in bf16, as under the default strategy); else None (cast to the slot's)."""
+        dtype = store.frozen.dtype
+        if self.slots.dtype != torch.float32 or dtype == torch.float32 or store.numel <= store.train_numel:
+            return None
+        return store.train_numel, dtype
 
     def release(self, block: int) -> None:
         """The kernels reading ``block``'s slot are queued: it may be refilled once they have run."""
@@ -128,8 +138,12 @@ class WeightStream:
             self.streams.wait(h2d, self._free[s])  # slot lifetime: no queued kernel still reads it
             slot, wide = self.slots.buffers[s], self.slots.wide[s]
             newer = self.ahead(block)  # its update on the device ran (update_done), its masters stayed there
+            narrow = self._narrow(store)
             for src, a, b in store.regions():  # trainable masters, then frozen weights in their own dtype
                 stage = self.slots.staging_for(src.dtype)
+                if narrow is not None and a == narrow[0]:  # kept in their dtype: no cast
+                    store.layout.narrow_region(slot, a, src.dtype).copy_(src, non_blocking=True)
+                    continue
                 if newer is not None and src is store.master:
                     # cast from the device masters, as refresh() casts them: nothing crosses the link
                     slot[a:b].copy_(newer)

@@ -43,14 +43,16 @@ Send = Callable[[int, FlatStore, Sequence[torch.Tensor | None], Any, int], None]
 class ResidentPart:
     """One resident store and its device copy during a step.
 
-    Buffer lifetime: ``device`` is allocated on first use and kept until the engine closes; it holds the
-    fp32 copy of the masters from the step's first use (``stale`` False) until the next optimizer step.
+    Buffer lifetime: ``device`` (and ``frozen``) are allocated on first use and kept until the engine closes
+    (or the store is laid out again); they hold the fp32 copy of the masters (and the frozen weights in their
+    own dtype) from the step's first use (``stale`` False) until the next optimizer step.
     """
 
     key: int  # RESIDENT or RESIDENT_AFTER: counters and update futures
     priority: int  # the host worker's order: where the next forward needs it
     store: FlatStore
     device: torch.Tensor | None = None
+    frozen: torch.Tensor | None = None  # the frozen weights' device copy where they are narrower than fp32
     views: list[torch.Tensor] = field(default_factory=list)
     on_device: bool = False  # the parameters' ``.data`` are the device views
     stale: bool = True  # the masters changed since the device copy was made
@@ -179,8 +181,7 @@ class ResidentParts:
             if not self.updates.wait_for(part.key, block=wait):
                 return  # its owner's forward hook brings it later
             if part.device is None:
-                part.device = torch.empty(store.numel, device=self.streams.device)
-                part.views = store.layout.views(part.device)
+                self._allocate(part)
             compute = self.streams.compute()
             h2d = self.streams.h2d
             self.streams.after_compute(h2d)  # no queued kernel may still read the old copy
@@ -188,9 +189,11 @@ class ResidentParts:
                 if part.landed is not None:
                     self.streams.wait(h2d, part.landed)  # nor the copy home of a device update
                 for src, a, b in store.regions():  # trainable masters, then frozen weights
-                    if src.dtype == part.device.dtype:
+                    if part.frozen is not None and a == store.train_numel:
+                        part.frozen.copy_(src, non_blocking=True)  # frozen weights in their own dtype
+                    elif src.dtype == part.device.dtype:
                         part.device[a:b].copy_(src, non_blocking=True)
-                    else:  # bf16 masters (compact) or frozen weights: copy as they are, widen on the device
+                    else:  # bf16 masters (compact): copy as they are, widen on the device
                         stage = torch.empty(b - a, dtype=src.dtype, device=self.streams.device)
                         stage.copy_(src, non_blocking=True)
                         part.device[a:b].copy_(stage)
@@ -207,14 +210,25 @@ class ResidentParts:
         part.versions = [p._version for p in store.params]  # a write in place bumps them (see _written)
         part.on_device = True
 
+    def _allocate(self, part: ResidentPart) -> None:
+        """The part's device copy: the trainable weights in fp32, the frozen ones in their own dtype (a frozen
+        bf16 teacher, a bf16 base under LoRA: their modules compute in it, as under the default strategy)."""
+        store, device = part.store, self.streams.device
+        if store.numel > store.train_numel and store.frozen.dtype != torch.float32:
+            part.device = torch.empty(store.train_numel, device=device)
+            part.frozen = torch.empty(store.numel - store.train_numel, dtype=store.frozen.dtype, device=device)
+            part.views = store.train_views(part.device) + store.frozen_views(part.frozen)
+        else:
+            part.device, part.frozen = torch.empty(store.numel, device=device), None
+            part.views = store.layout.views(part.device)
+
     def relaid(self, key: int, store: FlatStore) -> None:
-        """The part's store was laid out again (``store``): its device views follow, its copy is stale."""
+        """The part's store was laid out again (``store``): its device copy is made again, at its next use."""
         for part in self.parts:
             if part.key == key:
                 assert not part.on_device
                 part.store = store
-                if part.device is not None:
-                    part.views = store.layout.views(part.device)
+                part.device, part.frozen, part.views = None, None, []
                 part.stale, part.moments_fresh = True, False
 
     def stale(self) -> None:
@@ -254,9 +268,9 @@ class ResidentParts:
         return [i for i, (p, v) in enumerate(zip(part.store.params, part.versions)) if p._version != v]
 
     def _can_take_back(self, part: ResidentPart, i: int) -> bool:
-        """Whether a write to parameter ``i`` on the device can go into its host master exactly: an fp32 master
-        of this process's own (not compact's bf16 halves, not a bf16 frozen weight, not a node's shared copy)."""
-        return part.store.master_views[i].dtype == torch.float32 and part.store.published is None
+        """Whether a write to parameter ``i`` on the device can go into its host copy exactly: one of the same
+        dtype (not compact's bf16 halves of an fp32 master), of this process's own (not a node's shared copy)."""
+        return part.store.master_views[i].dtype == part.views[i].dtype and part.store.published is None
 
     def refuse_untakeable_writes(self) -> None:
         """The first block's backward begins, before any update: refuse a write in place (see :meth:`_written`)
@@ -270,10 +284,9 @@ class ResidentParts:
                 raise RuntimeError(
                     f"MegaTrainStrategy cannot train {', '.join(bad)} exactly: this step wrote it in place "
                     "(nn.Embedding(max_norm=...) renormalises rows in its forward; a clamp_ under no_grad), and its "
-                    "host copy is not an fp32 master of this process's own (host_state='compact' keeps bf16 halves, "
-                    "a frozen weight kept in bf16, or data parallel's shared copy), so the write cannot go home "
-                    "exactly. Use host_state='fp32' on one device, or make the write between steps (in "
-                    "on_train_batch_end, on the weights themselves).")
+                    "host copy cannot take the write exactly (host_state='compact' keeps the fp32 master as bf16 "
+                    "halves; under data parallel it is the node's shared copy). Use host_state='fp32' on one "
+                    "device, or make the write between steps (in on_train_batch_end, on the weights themselves).")
 
     def _part_to_host(self, part: ResidentPart, then: Any, keep_writes: bool = True) -> None:
         if not part.on_device:
@@ -349,4 +362,4 @@ class ResidentParts:
             h.remove()
         self._hooks = []
         for part in self.parts:
-            part.device, part.views = None, []
+            part.device, part.frozen, part.views = None, None, []

@@ -102,9 +102,9 @@ class BlockBinding:
                for (mod, name, b), v in zip(self.buffer_sites, self.host_versions)):
             self.refresh_buffers(self.device)
         bound = []
-        for sites, t in zip(self.param_sites, tensors):
-            if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16):
-                t = t.float()  # differentiable: the gradient reaches the slot's leaf
+        for sites, p, t in zip(self.param_sites, self.params, tensors):
+            if t.dim() < 2 and t.dtype in (torch.bfloat16, torch.float16) and p.requires_grad:
+                t = t.float()  # differentiable: the gradient reaches the slot's leaf (a frozen one keeps its dtype)
             bound.append(t)
             for mod, name in sites:
                 mod._parameters[name] = t  # type: ignore[assignment]
