@@ -9,6 +9,7 @@ launcher starts the ranks) or under ``torchrun``. NCCL on GPUs, gloo on the CPU.
 from __future__ import annotations
 
 import atexit
+import os
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -53,9 +54,11 @@ def make_replicas(world: int, rank: int, local_size: int, local_rank: int, node:
     dist.broadcast_object_list(token, src=0)
     group, node_group, leaders = groups(world, local_size)
     arena = SharedArena(str(token[0]), node, creator=local_rank == 0)
-    dist.barrier()  # the arena's directory exists before any rank maps a buffer in it
+    where: list[Any] = [None] * world  # (node, local rank, pid) of every rank: a wait on a peer sees it exit
+    dist.all_gather_object(where, (node, local_rank, os.getpid()))  # also: the arena's directory exists now
+    peers = {r: pid for n, r, pid in where if n == node and r != local_rank}
     return Replicas(world=world, rank=rank, local_size=local_size, local_rank=local_rank, node=node, arena=arena,
-                    group=group, node_group=node_group, leaders=leaders)
+                    group=group, node_group=node_group, leaders=leaders, peers=peers)
 
 
 def first_refusal(message: str | None, world: int) -> str | None:

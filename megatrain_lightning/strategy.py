@@ -656,6 +656,9 @@ class MegaTrainStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         self._refuse_if_torn()
         self._settle()  # the moments and step counts of every update of the step
+        host = self.precision_plugin.host_optimizers.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        if host is not None and self.is_distributed:
+            host.share_states()  # the stores other ranks of the node update, in this rank's state dict too
         return super().optimizer_state(optimizer)
 
     @override

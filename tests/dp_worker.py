@@ -69,6 +69,17 @@ class BigBlocks(ZooModule):
         return self.out(h).square().mean()
 
 
+class ClearState(pl.Callback):
+    """Restarts Adam before one step on every rank (``optimizer.state.clear()``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].state.clear()
+
+
 class Record(pl.Callback):
     megatrain_reads_weights = False
 
@@ -108,6 +119,7 @@ def main() -> None:
                     help="this global rank sees 1 kB of host memory available (the setup check refuses there)")
     ap.add_argument("--skip-nonfinite", type=int, default=0)
     ap.add_argument("--nan-step", type=int, default=-1, help="global rank 0's loss is NaN at this step")
+    ap.add_argument("--clear-state-at", type=int, default=-1, help="optimizer.state.clear() before this step")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) == args.no_host_memory_on_rank:
         megatrain_lightning.host_memory.available_bytes = lambda: 1000  # type: ignore[attr-defined]
@@ -132,6 +144,8 @@ def main() -> None:
         module.compute_loss = lambda batch: loss_of(batch) * (float("nan") if module.trainer.global_step == args.nan_step else 1.0)
     record = Record()
     callbacks: list[pl.Callback] = [record]
+    if args.clear_state_at >= 0:
+        callbacks.append(ClearState(args.clear_state_at))
     if args.save:
         from lightning.pytorch.callbacks import ModelCheckpoint
 

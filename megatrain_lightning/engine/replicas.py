@@ -15,6 +15,7 @@ it owns everything and nothing is reduced.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ class Replicas:
     node_group: Any = None  # the ranks of this node (norms of a partitioned host state)
     leaders: Any = None  # each node's local rank 0 (consistent weights across nodes)
     steps: int = field(default=0)  # optimizer steps taken: what every store's counter must reach
+    peers: dict[int, int] = field(default_factory=dict)  # local rank -> pid of the node's other ranks
 
     @property
     def parallel(self) -> bool:
@@ -91,16 +93,43 @@ class Replicas:
             if t.numel():
                 dist.broadcast(t, src=0, group=self.leaders)
 
-    @staticmethod
-    def wait_published(counter: torch.Tensor, target: int, timeout: float = 3600.0) -> None:
-        """Host wait until a store's shared counter reaches ``target`` (its owner's update has run)."""
-        start = time.perf_counter()
+    def wait_published(self, counter: torch.Tensor, target: int, timeout: float = 3600.0) -> None:
+        """Host wait until a store's shared counter reaches ``target`` (its owner's update has run). A rank
+        of the node that exited meanwhile (an exception between its backward and its step, which no collective
+        of this rank's would notice) ends the wait with an error instead of the timeout."""
+        start = last_look = time.perf_counter()
         delay = 1e-5
         while int(counter[0]) < target:
-            if time.perf_counter() - start > timeout:
+            now = time.perf_counter()
+            if now - start > timeout:
                 raise TimeoutError(f"a store's update of step {target} did not arrive in {timeout:.0f} s (its owner died?)")
+            if now - last_look > 1.0:
+                last_look = now
+                gone = [f"local rank {r} (pid {pid})" for r, pid in self.peers.items() if not _alive(pid)]
+                if gone:
+                    raise RuntimeError(
+                        f"MegaTrainStrategy: {', '.join(gone)} of this node exited while this rank waited for a "
+                        f"store's update of step {target}, which the node's ranks share: stopping this rank too "
+                        "(the first rank's own error is in its output).")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): whether a signal could reach it
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def groups(world: int, local_size: int) -> tuple[Any, Any, Any]:

@@ -97,20 +97,22 @@ class _Range:
             self._views = views(ea), views(eas), views(low) if low is not None else None
         return self._views
 
-    def ensure_state(self, st: dict[str, Any], i: int, device_moments: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
+    def ensure_state(self, st: dict[str, Any], i: int, device_moments: Sequence[torch.Tensor] = (),
+                     zero: bool = True) -> dict[str, Any]:
         """A parameter's Adam state on its first step: views of the store's moments (and low half), zeroed
         as torch starts them (the buffers may hold an earlier state: one a user's ``optimizer.state.clear()``
         or a tuner's restore of a state-less checkpoint emptied). ``device_moments``: the flat device copies
-        of the moments an update on the device reads instead (their slice is zeroed too)."""
+        of the moments an update on the device reads instead (their slice is zeroed too). ``zero`` False:
+        views of what the buffers hold (data parallel: the state another rank of the node updates)."""
         if not st:
             ea, eas, low = self.state_views()
             # data parallel: the step count is the node's shared one (any rank's state is the owner's)
             counts = self.store.step_counts
-            if counts is not None:
+            if counts is not None and zero:
                 counts[i].zero_()
             st["step"] = counts[i] if counts is not None else torch.tensor(0.0)
-            st["exp_avg"] = ea[i].zero_()
-            st["exp_avg_sq"] = eas[i].zero_()
+            st["exp_avg"] = ea[i].zero_() if zero else ea[i]
+            st["exp_avg_sq"] = eas[i].zero_() if zero else eas[i]
             start = self.store.layout.offsets[i]
             for m in device_moments:
                 m[start : start + ea[i].numel()].zero_()
@@ -267,10 +269,16 @@ class HostOptimizer:
                     f"MegaTrainStrategy under data parallel steps Adam/AdamW on the node's shared host state, "
                     f"each store by the rank that owns it; {type(self.optimizer).__name__} runs its own step() "
                     "over every parameter. Use torch.optim.AdamW or Adam (without amsgrad), or one device.")
-            for ranges in self.ranges:  # every rank's state holds every parameter's (the shared buffers)
-                for r in ranges:
-                    for i, p in zip(r.indices, r.params):
-                        r.ensure_state(self.optimizer.state[p], i)
+            self.share_states()
+
+    def share_states(self) -> None:
+        """Data parallel: every rank's ``optimizer.state`` holds every parameter's, as views of the node's shared
+        buffers, so that any rank's state dict (the checkpoint's) is whole; the owner of a store alone updates
+        it, so a state emptied since (``state.clear()``) comes back only in the owner's, but for this."""
+        for ranges in self.ranges:
+            for r in ranges:
+                for i, p in zip(r.indices, r.params):
+                    r.ensure_state(self.optimizer.state[p], i, zero=False)
 
     def groups_changed(self) -> bool:
         """Whether the param groups (or their parameters) changed since :meth:`bind` (``add_param_group``)."""
