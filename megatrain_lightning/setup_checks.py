@@ -267,6 +267,18 @@ _MODULE_HOOKS_BETWEEN_STEPS = tuple(
 _CALLBACK_HOOKS_BETWEEN_STEPS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") and n not in _BEFORE_TRAINING)
 
 
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def gradient_readers(module: pl.LightningModule, trainer: pl.Trainer) -> list[str]:
+    """The module's and callbacks' hooks that see the gradients (``p.grad``) between the backward and the step:
+    under data parallel each rank holds only its own stores' (see the strategy's setup warning)."""
+    found = [f"{type(module).__name__}.{h}" for h in _GRADIENT_HOOKS if is_overridden(h, module)]
+    for cb in trainer.callbacks:
+        found += [f"{type(cb).__name__}.{h}" for h in _GRADIENT_HOOKS[:2] if is_overridden(h, cb, pl.Callback)]
+    return found
+
+
 def writers_between_steps(module: pl.LightningModule, trainer: pl.Trainer) -> bool:
     """Whether a hook of the module, or a callback not known to leave the weights alone, runs between
     steps (it may write the weights: an EMA swap, a ``p.data.copy_``, ``load_state_dict``). A module or

@@ -43,9 +43,9 @@ from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
-    check_supported, experts_hint, host_memory_refusal, in_place_expert_bias, leaves_weights_alone,
-    module_hooks_touch_weights, refuse_grad_hooks, refuse_running_statistics, unseen_in_place_kernels,
-    writers_between_steps,
+    check_supported, experts_hint, gradient_readers, host_memory_refusal, in_place_expert_bias,
+    leaves_weights_alone, module_hooks_touch_weights, refuse_grad_hooks, refuse_running_statistics,
+    unseen_in_place_kernels, writers_between_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,14 @@ class MegaTrainStrategy(ParallelStrategy):
         hint = experts_hint(module)
         if hint is not None:
             rank_zero_info(hint)
+        readers = gradient_readers(module, trainer) if self.is_distributed and trainer.state.fn == TrainerFn.FITTING else []
+        if readers:
+            rank_zero_warn(
+                f"MegaTrainStrategy under data parallel: each rank holds the node's averaged gradients of the stores it "
+                f"owns only (p.grad is None for the others), so {', '.join(readers)} see a part of them on each rank "
+                "(a gradient norm computed there is this rank's share, not the global one). Trainer(gradient_clip_val="
+                "...) clips by the global norm; sum a norm's squares over the node's ranks, or train on one device, "
+                "where a hook must see every gradient.")
         self._keep_whole_activations_for(in_place_expert_bias(module))
         liger = unseen_in_place_kernels(module)
         self._keep_whole_activations_for(liger, liger=True)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,3 +186,26 @@ def test_a_wait_for_a_peer_that_exited_ends_with_an_error_not_a_hang(reaped: boo
         replicas.wait_published(counter, 1, timeout=60)
     assert time.perf_counter() - t0 < 5
     child.wait()
+
+
+def test_hooks_that_see_a_ranks_share_of_the_gradients_are_named() -> None:
+    """Under data parallel a rank's p.grad holds the stores it owns only: a clip_grad_norm_ or a gradient norm
+    logged in on_before_optimizer_step saw its rank's share silently (1.8e-2 relative in the weights against
+    DDP). The strategy's setup names such hooks in a warning (this is the check it runs)."""
+    import lightning.pytorch as pl
+
+    from megatrain_lightning.setup_checks import gradient_readers
+    from zoo import TinyLlama
+
+    class ClipsByHand(TinyLlama):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+    class LogsGradients(pl.Callback):
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            pass
+
+    trainer = pl.Trainer(callbacks=[LogsGradients()], logger=False, enable_progress_bar=False)
+    assert gradient_readers(ClipsByHand(), trainer) == ["ClipsByHand.on_before_optimizer_step",
+                                                         "LogsGradients.on_after_backward"]
+    assert gradient_readers(TinyLlama(), pl.Trainer(logger=False, enable_progress_bar=False)) == []
