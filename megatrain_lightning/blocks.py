@@ -115,7 +115,22 @@ def find_blocks(root: nn.Module, block_class: type | str | Sequence[type | str] 
                     f"MegaTrainStrategy(block_class=...){_suggest(root) or _NOTHING_TO_STREAM}."
                 )
     _check_no_sharing(root, blocks)
+    _check_not_compiled(blocks)
     return blocks
+
+
+def _check_not_compiled(blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    """Blocks wrapped by ``torch.compile(block)`` (an ``OptimizedModule``, whose class has no forward of its own to
+    run on streamed weights): refused, naming the class they wrap, which block_class can stream instead."""
+    compiled = [(n, m) for n, m in blocks if hasattr(m, "_orig_mod") and type(m).__name__ == "OptimizedModule"]
+    if compiled:
+        name, first = compiled[0]
+        inner = type(first._orig_mod).__name__
+        raise BlockDetectionError(
+            f"the blocks to stream ({name}, ...) are torch.compile'd modules (OptimizedModule around {inner}): "
+            f"the strategy binds each block's streamed weights and runs the block's own forward. Stream the modules "
+            f"they wrap, MegaTrainStrategy(block_class=\"{inner}\"), or keep the blocks uncompiled: "
+            "EngineConfig(compile_blocks=True) compiles them around the streamed weights.")
 
 
 def _check_no_sharing(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> None:

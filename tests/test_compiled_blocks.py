@@ -18,9 +18,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from compat_zoo import assert_frozen_unchanged, frozen_names
+from compat_zoo import TokenBlocks, assert_exact, assert_frozen_unchanged, frozen_names
 from conftest import LOSS_RTOL, assert_parity, compare_losses, compare_states, fit, megatrain, run_parity
 from megatrain_lightning.engine.compiled import CompiledBlocks, compiles_by_default
+from megatrain_lightning.blocks import BlockDetectionError
 from megatrain_lightning.models import expert_routing  # noqa: F401  registers experts_implementation="grouped_mm_gather"
 from test_compat_frozen import ATTN, LoraLM
 from zoo import ZOO
@@ -314,3 +315,23 @@ def test_compiled_peft_lora_trains_its_adapters_as_the_default_strategy() -> Non
     assert_frozen_unchanged(got, frozen, "megatrain")
     compare_losses(ref.losses, got.losses)
     compare_states(ref.state, got.state, rtol=1e-4)
+
+
+class CompiledByHand(TokenBlocks):
+    """Each block replaced by ``torch.compile(block)`` before fit, as a user speeding up the default strategy would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, block in enumerate(self.blocks):
+            self.blocks[i] = torch.compile(block, backend="eager")
+
+
+def test_blocks_compiled_by_the_user_are_refused_naming_the_class_to_stream() -> None:
+    """The OptimizedModule wrappers were streamed as the blocks: "Module [OptimizedModule] is missing the required
+    'forward' function" in the first forward. Refused at setup instead, naming the class they wrap, which then
+    trains exactly."""
+    with pytest.raises(BlockDetectionError, match=r"OptimizedModule around MLPBlock.*block_class=\"MLPBlock\""):
+        fit(CompiledByHand, "megatrain", max_steps=1)
+    ref = fit(CompiledByHand, None, max_steps=3)
+    got = fit(CompiledByHand, megatrain(block_class="MLPBlock"), max_steps=3)
+    assert_exact(ref, got)

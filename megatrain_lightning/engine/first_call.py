@@ -176,7 +176,8 @@ class FirstCall:
             f"({', '.join(where[:4])}), which have none under this strategy (the block runs "
             "without a graph and is recomputed in the backward): a loss built from them would not train the block. "
             "Return them from the block's forward (an auxiliary loss as an output, or added to the hidden states "
-            "through a custom autograd Function), keep .detach()ed copies if they are only logged, "
+            "through a custom autograd Function), keep .detach()ed copies if they are only logged (replaced, "
+            "not appended: the recompute runs the forward a second time in each step), "
             f"{_FIX}")
 
     def _qualified(self, path: str, attr: str = "") -> str:
