@@ -282,7 +282,8 @@ def gradient_readers(module: pl.LightningModule, trainer: pl.Trainer) -> list[st
 def writers_between_steps(module: pl.LightningModule, trainer: pl.Trainer) -> bool:
     """Whether a hook of the module, or a callback not known to leave the weights alone, runs between
     steps (it may write the weights: an EMA swap, a ``p.data.copy_``, ``load_state_dict``). A module or
-    callback declares ``megatrain_reads_weights = False`` when its hooks neither read nor write them."""
+    callback declares ``megatrain_reads_weights = False`` when its hooks neither read nor write them (nor the
+    optimizer's state, which the updates running on between steps use)."""
     if module_hooks_touch_weights(module):
         return True
     return not all(leaves_weights_alone(cb) for cb in trainer.callbacks)

@@ -15,9 +15,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import strategy_of, megatrain, run_parity
+from compat_zoo import assert_exact
+from conftest import fit, megatrain, run_parity, strategy_of
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.config import EngineConfig
 from megatrain_lightning.engine import RESIDENT, StreamingEngine
@@ -194,3 +196,30 @@ def test_kept_blocks_saving_matmuls_recompute_elementwise_ops_only(depth: int) -
 def test_unknown_kept_saves_is_refused() -> None:
     with pytest.raises(ValueError, match="kept_saves"):
         strategy_of(kept_saves="some")
+
+
+class MatmulOutputScaledInPlace(nn.Module):
+    """Writes a Linear's output in place (``h.mul_``): exact when recomputed or kept whole; a kept block that
+    saves only the matmul outputs reads the saved output, which the write changed."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.norm(x))
+        h.mul_(1.5)
+        return x + self.fc2(torch.nn.functional.gelu(h))
+
+
+def test_a_kept_block_writing_a_matmul_output_in_place_is_refused_with_the_fix() -> None:
+    """Was torch's own "Tensor cached during selective activation checkpoint has been mutated" mid-backward."""
+    from compat_zoo import TokenBlocks
+
+    class Blocks(TokenBlocks):
+        block_cls = MatmulOutputScaledInPlace
+
+    ref = fit(Blocks, None, max_steps=2)
+    assert_exact(ref, fit(Blocks, megatrain(keep_activations=2, kept_saves="all"), max_steps=2))
+    with pytest.raises(RuntimeError, match=r"\(MatmulOutputScaledInPlace\) with kept_saves='matmuls'.*kept_saves='all'"):
+        fit(Blocks, megatrain(keep_activations=2, kept_saves="matmuls"), max_steps=2)

@@ -265,6 +265,12 @@ class StreamedBlock(torch.autograd.Function):
                     [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
                 )
             except RuntimeError as err:
+                if "selective activation checkpoint has been mutated" in str(err):
+                    raise RuntimeError(
+                        f"MegaTrainStrategy cannot train block {ctx.block} ({type(runner.blocks[ctx.block]).__name__}) "
+                        "with kept_saves='matmuls': its forward changes a matmul's output in place (h.mul_(...) after a "
+                        "Linear), and the kept block's backward reads the output as it was saved. Use "
+                        "EngineConfig(kept_saves='all') (or keep_activations=0) for this model.") from err
                 if "use_reentrant=True" not in str(err):
                     raise
                 raise RuntimeError(
