@@ -42,9 +42,11 @@ def make_trainable(engine: Any, params: Sequence[nn.Parameter] = ()) -> bool:
     if not todo:
         return False
     engine.settle()  # host sync: every update has run, every gradient is home
+    upcast = 0
     for key, store in todo:
         new = store.relayout({id(p) for p in store.params[: store.n_trainable]}
                              | {id(p) for p in store.params if id(p) in wanted or p.requires_grad})
+        upcast += len(new.upcast)  # frozen in bf16/fp16 until now: fp32 masters from here on
         if key >= 0:
             engine.stores[key] = engine.weights.stores[key] = new
             binding = BlockBinding(engine.blocks[key], new.params)
@@ -54,6 +56,9 @@ def make_trainable(engine: Any, params: Sequence[nn.Parameter] = ()) -> bool:
         else:
             engine.resident.relaid(key, new)
         engine.pins.release(store.buffers())
+    if upcast > 0:  # as at setup (upcast_buffers' line): they train as fp32 masters, not in their own dtype
+        log.info("megatrain_lightning: %d parameters held in bf16/fp16 became trainable and were upcast into fp32 "
+                 "host masters (the host optimizer steps fp32 weights)", upcast)
     engine.grads.fit(engine.grad_numel(), max(s.train_numel for s in engine.stores))
     if engine.replicas.parallel:  # every rank laid the same stores out anew (at the same step): names go
         engine.replicas.node_barrier()
