@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,10 +59,8 @@ def test_a_resident_weight_written_in_place_during_the_step_trains_exactly(facto
 
 
 def built_with_seed(factory: Any) -> tuple[list[Any], Any, dict[str, torch.Tensor]]:
-    """A factory recording the module it builds, and the same module built as ``fit`` builds it (seed 0): the
-    initial weights a refused run must still hold."""
-    import lightning.pytorch as pl
-
+    """(the modules built so far, a factory that records each module it builds, the state of the module ``fit``
+    builds from seed 0): the initial weights a refused run must still hold."""
     box: list[Any] = []
 
     def build() -> Any:
