@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-from .engine.replicas import Replicas, groups
+from .engine.replicas import Replicas, process_alive, groups
 from .engine.shared import SharedArena
 
 
@@ -56,7 +56,8 @@ def make_replicas(world: int, rank: int, local_size: int, local_rank: int, node:
     arena = SharedArena(str(token[0]), node, creator=local_rank == 0)
     where: list[Any] = [None] * world  # (node, local rank, pid) of every rank: a wait on a peer sees it exit
     dist.all_gather_object(where, (node, local_rank, os.getpid()))  # also: the arena's directory exists now
-    peers = {r: pid for n, r, pid in where if n == node and r != local_rank}
+    # a peer whose pid this process cannot see (another pid namespace) is not watched: it would look exited
+    peers = {r: pid for n, r, pid in where if n == node and r != local_rank and process_alive(pid)}
     return Replicas(world=world, rank=rank, local_size=local_size, local_rank=local_rank, node=node, arena=arena,
                     group=group, node_group=node_group, leaders=leaders, peers=peers)
 

@@ -105,7 +105,7 @@ class Replicas:
                 raise TimeoutError(f"a store's update of step {target} did not arrive in {timeout:.0f} s (its owner died?)")
             if now - last_look > 1.0:
                 last_look = now
-                gone = [f"local rank {r} (pid {pid})" for r, pid in self.peers.items() if not _alive(pid)]
+                gone = [f"local rank {r} (pid {pid})" for r, pid in self.peers.items() if not process_alive(pid)]
                 if gone:
                     raise RuntimeError(
                         f"MegaTrainStrategy: {', '.join(gone)} of this node exited while this rank waited for a "
@@ -115,7 +115,7 @@ class Replicas:
             delay = min(delay * 2, 1e-3)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
