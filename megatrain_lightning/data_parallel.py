@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-from .engine.replicas import Replicas, process_alive, groups
+from .engine.replicas import Replicas, groups, process_alive
 from .engine.shared import SharedArena
 
 
