@@ -20,16 +20,18 @@ What the comparisons add to ``conftest.py``'s harness:
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Iterable, Sequence
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import RunResult, compare_losses, compare_states, fit, rel_diff
+from conftest import RunResult, compare_losses, compare_states, fit, megatrain, rel_diff
 from zoo import VOCAB, ZooModule
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +294,27 @@ def parity_or_refusal(
         return ref, None, err
     (compare or assert_exact)(ref, got)
     return ref, got, None
+
+
+def refused_in_the_first_forward(factory: Callable[[], pl.LightningModule], pattern: str, **options: Any) -> None:
+    """The default strategy trains ``factory``'s module; megatrain (``options``: its EngineConfig fields and
+    strategy arguments) raises matching ``pattern`` in the first training batch, before any update: every weight
+    as it was built (as the host store holds it: with ``host_state="compact"``, the bf16 high half)."""
+    fit(factory, None, max_steps=2)
+    counter, built = BatchCounter(), []
+
+    def build() -> pl.LightningModule:
+        built.append(factory())
+        built.append(copy.deepcopy(built[0].state_dict()))
+        return built[0]
+
+    with pytest.raises(RuntimeError, match=pattern):
+        fit(build, megatrain(**options), max_steps=2, callbacks=[counter])
+    assert counter.batches == 1
+    module, before = built
+    after = module.state_dict()
+    changed = [k for k in before if not torch.equal(before[k].to(after[k].dtype), after[k].cpu())]
+    assert not changed, f"weights changed in the refused step: {changed}"
 
 
 def max_abs_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from compat_zoo import DIM, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact, compare_losses
+from compat_zoo import (DIM, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact, compare_losses,
+                        refused_in_the_first_forward)
 from conftest import fit, megatrain
-from test_compat_state import refused_in_the_first_forward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 
 from compat_zoo import (DIM, BatchCounter, MLPBlock, TokenBlocks, VectorBlocks, assert_exact, compare_losses,
-                        max_abs_diff, parity_or_refusal)
+                        max_abs_diff, parity_or_refusal, refused_in_the_first_forward)
 from conftest import compare_states, fit, megatrain
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -258,26 +258,6 @@ class GainRead(TokenBlocks):
 
 class GainPassed(GainRead):
     passed = True
-
-
-def refused_in_the_first_forward(factory: Any, pattern: str, **options: Any) -> None:
-    """The default strategy trains ``factory``'s module; megatrain raises matching ``pattern`` in the first
-    training batch, before any update: every weight as it was built."""
-    fit(factory, None, max_steps=2)
-    counter, built = BatchCounter(), []
-
-    def build() -> pl.LightningModule:
-        built.append(factory())
-        built.append(copy.deepcopy(built[0].state_dict()))
-        return built[0]
-
-    with pytest.raises(RuntimeError, match=pattern):
-        fit(build, megatrain(**options), max_steps=2, callbacks=[counter])
-    assert counter.batches == 1
-    module, before = built
-    after = module.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], after[k].cpu())]
-    assert not changed, f"weights changed in the refused step: {changed}"
 
 
 def test_resident_parameter_read_inside_a_block_is_refused_before_any_update() -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compat_zoo import DIM, VOCAB, BatchCounter, MLPBlock, TokenBlocks, assert_exact
-from conftest import fit, megatrain
+from compat_zoo import DIM, VOCAB, MLPBlock, TokenBlocks, assert_exact, refused_in_the_first_forward
+from conftest import fit
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -58,33 +57,10 @@ def test_a_resident_weight_written_in_place_during_the_step_trains_exactly(facto
     assert_exact(ref, got)
 
 
-def built_with_seed(factory: Any) -> tuple[list[Any], Any, dict[str, torch.Tensor]]:
-    """(the modules built so far, a factory that records each module it builds, the state of the module ``fit``
-    builds from seed 0): the initial weights a refused run must still hold."""
-    box: list[Any] = []
-
-    def build() -> Any:
-        box.append(factory())
-        return box[-1]
-
-    pl.seed_everything(0, verbose=False)
-    return box, build, factory().state_dict()
-
-
-def assert_unchanged(module: nn.Module, init: dict[str, torch.Tensor], rounded: bool = False) -> None:
-    for k, v in module.state_dict().items():
-        want = init[k].bfloat16().float() if rounded and v.dtype == torch.bfloat16 else init[k]
-        assert torch.equal(v.float() if rounded else v, want), f"{k} changed before the refusal"
-
-
 def test_a_resident_write_that_cannot_go_home_exactly_is_refused_before_any_update() -> None:
     """host_state='compact' keeps the masters as bf16 halves: the fp32 write cannot go into them exactly."""
-    counter = BatchCounter()
-    box, build, init = built_with_seed(MaxNormEmbedding)
-    with pytest.raises(RuntimeError, match=r"cannot train embed\.weight exactly: this step wrote it in place"):
-        fit(build, megatrain(host_state="compact"), max_steps=2, callbacks=[counter])
-    assert counter.batches == 1  # refused in the first step
-    assert_unchanged(box[-1], init, rounded=True)
+    refused_in_the_first_forward(MaxNormEmbedding, r"cannot train embed\.weight exactly: this step wrote it in place",
+                                 host_state="compact")
 
 
 class MaxNormInBlock(MLPBlock):
@@ -121,9 +97,4 @@ class ClampBlocks(TokenBlocks):
                          ids=["max_norm-embedding", "clamp"])
 def test_a_block_writing_its_weights_in_its_forward_is_refused_naming_the_parameter(factory: Any, block: str,
                                                                                      name: str) -> None:
-    counter = BatchCounter()
-    box, build, init = built_with_seed(factory)
-    with pytest.raises(RuntimeError, match=rf"\({block}\) exactly: its forward writes its parameter {name} in place"):
-        fit(build, "megatrain", max_steps=2, callbacks=[counter])
-    assert counter.batches == 1
-    assert_unchanged(box[-1], init)
+    refused_in_the_first_forward(factory, rf"\({block}\) exactly: its forward writes its parameter {name} in place")
