@@ -322,7 +322,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from megatrain_lightning.callbacks import RunSummary
     from megatrain_lightning.callbacks.memory import peak_gpu_reserved_bytes, peak_host_rss_bytes
     from megatrain_lightning.callbacks.throughput import ThroughputMonitor
-    from megatrain_lightning.schema import check_config, check_root
+    from megatrain_lightning.schema import check_config, check_root, check_set
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)
@@ -332,6 +332,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_config(cfg, groups=("hardware",))
         hw = resolve_hardware(cfg)
         check_config(cfg, groups=("trainer", "data", "model", "strategy"))  # after: they read ${hardware.*}
+        check_set(cfg, ("trainer", "data", "model", "strategy"), "python train.py")
         check_trainer_values(cfg.trainer)
         strategy_name, model_name = choice(cfg, "strategy"), choice(cfg, "model")
         check_strategy_runs_here(cfg.strategy, strategy_name, hw)

@@ -166,3 +166,32 @@ def check_config(cfg: DictConfig, groups: tuple[str, ...] = ("hardware", "traine
         node = cfg.get(group)
         if isinstance(node, DictConfig):
             check_node(node, group)
+
+
+def _unset(node: DictConfig | ListConfig, path: str) -> list[str]:
+    """The ``???`` keys under ``node``, without resolving interpolations (OmegaConf.missing_keys resolves them)."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    out = []
+    for k in keys:
+        child, name = node._get_node(k), f"{path}.{k}"
+        if OmegaConf.is_missing(node, k):
+            out.append(name)
+        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_missing() and not child._is_none():
+            out += _unset(child, name)
+    return out
+
+
+def check_set(cfg: DictConfig, groups: tuple[str, ...], command: str) -> None:
+    """Every mandatory (``???``) key of ``groups`` that the composed config leaves unset, and a model with
+    neither ``config`` nor ``pretrained``, in one message before anything is built (not one per run)."""
+    keys = [k for g in groups if isinstance(cfg.get(g), DictConfig) for k in _unset(cfg[g], g)]
+    model = cfg.get("model") if "model" in groups else None
+    needs_weights = (isinstance(model, DictConfig) and "model.pretrained" not in keys
+                     and model.get("config") is None and model.get("pretrained") is None)
+    if not keys and not needs_weights:
+        return
+    parts = [f"{', '.join(keys)} must be set, e.g. {command} {' '.join(k + '=...' for k in keys)}"] if keys else []
+    if needs_weights:
+        parts.append("set model.config (random init) or model.pretrained=/path/to/hf_checkpoint, "
+                     "or pick a model with its config (model=tiny, model=qwen2_5_7b, ...)")
+    raise ConfigError("; ".join(parts))

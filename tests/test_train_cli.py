@@ -104,6 +104,10 @@ BAD_INPUT = {
     ),
     "missing text dir": (["data=text", "data.path=/nonexistent/corpus"], ["error: data.path=/nonexistent/corpus does not exist"]),
     "unset data path": (["data=jsonl"], ["error: data.path must be set"]),
+    "every unset key at once": (
+        ["data=jsonl", "model=default"],
+        ["error: data.path, model.name must be set", "model.config (random init) or model.pretrained="],
+    ),
     "missing checkpoint": (
         ["model.pretrained=/nonexistent/checkpoint"],
         ["error: model.pretrained=/nonexistent/checkpoint does not exist"],
