@@ -99,18 +99,32 @@ _PEFT_OPTIONS = {
                          "backward's recompute would differentiate another sample than the forward's",
     "target_parameters": "LoRA on parameters (ParamWrapper) adds and removes a parametrization around every forward, "
                          "which the strategy's weight binding cannot take part in",
+    "coft": "constrained OFT projects oft_R onto its constraint set in place in every forward, and a streamed block's "
+            "weights are written only by the optimizer",
+}
+# peft methods a streamed block cannot train exactly (peft 0.21): peft_type -> why
+_PEFT_TYPES = {
+    "POLY": "Poly hands each layer its task_ids through forward pre-hooks that live only while PeftModel.forward runs, "
+            "so the backward's recompute would run the router without them",
 }
 
 
 def refuse_peft_options(module: pl.LightningModule) -> None:
     """peft adapters with an option listed in ``_PEFT_OPTIONS``: refused by adapter and option, with the fix.
-    Found by a sweep of peft 0.21's methods (2026-12-05): aLoRA and MonteCLoRA trained silently wrong, VeLoRA lost
-    its buffers, ``target_parameters`` failed in the first backward."""
+    Found by sweeps of peft 0.21's methods (2026-12-05, 2026-12-07): aLoRA and MonteCLoRA trained silently wrong,
+    VeLoRA lost its buffers, ``target_parameters`` and Poly failed in the first backward, OFT's ``coft`` was refused
+    in the first forward naming every weight. Methods in ``_PEFT_TYPES`` are refused whatever their options."""
     for m in module.modules():
         configs = getattr(m, "peft_config", None)
         if not isinstance(configs, dict):
             continue
         for adapter, cfg in configs.items():
+            kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+            if kind in _PEFT_TYPES:
+                raise ValueError(
+                    f"MegaTrainStrategy cannot train {type(m).__name__}'s adapter {adapter!r} exactly: it is a "
+                    f"{type(cfg).__name__}, and {_PEFT_TYPES[kind]}. Train another adapter method (LoRA trains "
+                    "exactly), or with Lightning's default strategy.")
             for option, why in _PEFT_OPTIONS.items():
                 if getattr(cfg, option, None):
                     raise ValueError(

@@ -522,6 +522,7 @@ class MegaTrainStrategy(ParallelStrategy):
             interrupts.release()
             interrupts.drop()
             self._abort(exc)
+            self._note_upcast(exc)
             raise
         interrupts.release()
         return out
@@ -559,6 +560,22 @@ class MegaTrainStrategy(ParallelStrategy):
                          "EngineConfig(overlap_optimizer=False) leaves a step's state whole under such exceptions.")
             if self.lightning_module is not None:
                 self.lightning_module.__dict__["_megatrain_torn"] = self._torn
+
+    def _note_upcast(self, exc: BaseException) -> None:
+        """A dtype error in a model with trainable parameters given in bf16/fp16: they compute in fp32 here (their
+        fp32 masters) beside weights kept narrow (frozen ones keep their dtype), so say which and what to change."""
+        msg = str(exc)
+        if (self.engine is None or not self.engine.upcast or not isinstance(exc, RuntimeError)
+                or not any(s in msg for s in ("dtype", "BFloat16", "Half", "scalar type"))):
+            return
+        paths = {id(p): n for n, p in self.lightning_module.named_parameters()} if self.lightning_module else {}
+        names = [paths.get(id(p), type(p).__name__) for p in self.engine.upcast]
+        exc.add_note(
+            f"MegaTrainStrategy: {len(names)} trainable parameters given in bf16/fp16 ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}) train as fp32 host masters and compute in fp32, beside weights "
+            "kept in bf16/fp16 (frozen ones keep their dtype): an op that mixes the two fails as this one did. Cast "
+            "the trainable ones to fp32 before fit (module.<name>.float(); peft's autocast_adapter_dtype=True does "
+            "so for adapters), or train with precision='bf16-mixed'.")
 
     def _sync_trainable(self) -> None:
         """Before a step: parameters unfrozen or added to an optimizer since the last one (``BaseFinetuning``'s

@@ -87,6 +87,29 @@ def test_bf16_module_under_bf16_mixed_is_upcast(caplog: pytest.LogCaptureFixture
     assert len(lines) == 1, f"expected one log line about the bf16 -> fp32 upcast, got {lines}"
 
 
+class Bf16BaseTrainableHead(CausalLMModule):
+    """A bf16 base under LoRA whose LM head is trained in full (peft's ``modules_to_save``), all in bf16."""
+
+    def build(self) -> nn.Module:
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+        return peft.get_peft_model(build_causal_lm("llama").to(torch.bfloat16), config)
+
+
+def test_trainable_bf16_beside_frozen_bf16_under_32_true_names_the_parameters_and_the_fix() -> None:
+    """The upcast head computes in fp32 and meets a bf16 hidden state: the dtype error torch raises in the first
+    batch carries a note naming the upcast parameters, the cast and bf16-mixed (which trains it); nothing updated."""
+    pytest.importorskip("peft")
+    with pytest.raises(RuntimeError) as err:
+        fit(Bf16BaseTrainableHead, "megatrain", max_steps=2)
+    notes = " ".join(getattr(err.value, "__notes__", []))
+    assert "lm_head.modules_to_save.default.weight" in notes and "precision='bf16-mixed'" in notes, notes
+    ref = fit(Bf16BaseTrainableHead, None, max_steps=2, precision="bf16-mixed")
+    got = fit(Bf16BaseTrainableHead, "megatrain", max_steps=2, precision="bf16-mixed")
+    compare_losses(ref.losses, got.losses, rtol=1e-4)
+
+
 def test_layernorm_blocks_under_bf16_mixed_on_cpu() -> None:
     """User blocks with nn.LayerNorm under bf16-mixed on the CPU, 4 steps: losses within 1e-2 relative
     of the default strategy (today: "mixed dtype (CPU): expect parameter to have scalar type of Float")."""

@@ -1,6 +1,7 @@
 """What a streamed block's forward depends on beyond its inputs and weights, as its recompute in the backward
 must see it: Python's and numpy's RNGs, a ``torch.Generator`` of its own, a counter it keeps, the ``training``
-flags of a pass in eval mode inside a training step, buffers the user replaces or changes between steps.
+flags of a pass in eval mode inside a training step, peft's active adapter switched between two forwards of one
+step, buffers the user replaces or changes between steps.
 Each trains exactly as under Lightning's default strategy. What cannot: a tensor with a gradient history
 hidden in an argument that torch's pytree does not flatten (refused in the first forward, naming it and the
 fix), ``torch.utils.checkpoint(use_reentrant=True)`` inside a block (refused naming the block and the fix), a
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from compat_zoo import (DIM, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact, compare_losses,
-                        refused_in_the_first_forward)
+from compat_zoo import (DIM, CausalLMModule, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact,
+                        build_causal_lm, compare_losses, refused_in_the_first_forward)
 from conftest import fit, megatrain
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -109,6 +110,41 @@ def test_a_block_drawing_from_other_rngs_or_counting_trains_exactly(block_cls: t
 
 def test_an_eval_mode_pass_with_grad_inside_a_training_step_trains_exactly() -> None:
     assert_exact(fit(EvalPassInTraining, None, max_steps=5), fit(EvalPassInTraining, "megatrain", max_steps=5))
+
+
+class TwoAdapters(CausalLMModule):
+    """Two LoRA adapters trained in one step: each forward through its own (peft's active adapter is a str, or
+    a list of them, on every LoRA layer: the recompute must see the one its forward saw)."""
+
+    def build(self) -> nn.Module:
+        import peft
+
+        config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(build_causal_lm("llama"), peft.LoraConfig(**config))
+        model.add_adapter("b", peft.LoraConfig(**config))
+        return model
+
+    def use(self, name: str) -> None:
+        self.model.base_model.set_adapter(name)
+        for n, p in self.model.named_parameters():
+            p.requires_grad_("lora_" in n)  # set_adapter freezes the inactive one: both train here
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for n, p in self.model.named_parameters() if "lora_" in n], lr=3e-3, fused=True)
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        self.use("default")
+        loss = self.model(input_ids=x, labels=x).loss
+        self.use("b")
+        return loss + self.model(input_ids=x, labels=(7 * x + 3) % 64).loss
+
+
+def test_peft_adapters_switched_between_two_forwards_of_a_step_train_exactly() -> None:
+    pytest.importorskip("peft")
+    ref = fit(TwoAdapters, None, max_steps=3)
+    got = fit(TwoAdapters, "megatrain", max_steps=3)
+    assert_exact(ref, got, frozen=[k for k in ref.init_state if "lora_" not in k])
 
 
 class GainBlock(MLPBlock):

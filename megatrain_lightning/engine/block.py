@@ -74,9 +74,10 @@ class RecomputeState:
     """What a forward's result depends on beyond its inputs and weights, replayed in its recompute (a streamed
     block's; a chunked MLP's, ``models/chunked_mlp.py``): torch's RNG (dropout draws the same masks), Python's
     and numpy's global RNGs and the ``torch.Generator`` objects the block holds (its own draws repeat),
-    autocast (it casts the same), and each submodule's plain attributes of type int, float or bool: its
-    ``training`` flag (a pass in eval mode inside a training step recomputes in eval mode) and what the
-    forward counts (a call counter it reads). After the replay each is where the forward had left it.
+    autocast (it casts the same), and each submodule's plain attributes (int, float, bool, str, None, and lists
+    or tuples of those): its ``training`` flag (a pass in eval mode inside a training step recomputes in eval
+    mode), what the forward counts (a call counter it reads), peft's active adapter names (switched between
+    two forwards of one step). After the replay each is where the forward had left it.
 
     Cost: about 45 us per forward on the host (numpy's ``get_state`` is half of it; a Llama layer's
     attributes a quarter)."""
@@ -114,14 +115,14 @@ class _Replay:
         if st.cuda_rng is not None:
             torch.cuda.set_rng_state(st.cuda_rng, st.device)
         self._after = [random.getstate(), np.random.get_state() if st.np_rng is not None else None,
-                       [g.get_state() for g, _ in st.generators], _plain_attrs([m for m, _ in st.attrs])]
+                       [g.get_state() for g, _ in st.generators], _plain_attrs([m for m, _ in st.attrs], copy=False)]
         random.setstate(st.py_rng)
         if st.np_rng is not None:
             np.random.set_state(st.np_rng)
         for g, state in st.generators:
             g.set_state(state)
-        for m, values in st.attrs:
-            m.__dict__.update(values)
+        for m, values in st.attrs:  # copies: a second replay (a retried backward) starts from the snapshot again
+            m.__dict__.update({k: list(v) if type(v) is list else v for k, v in values.items()})
         for dev, enabled, dtype in st.autocast:
             ac = torch.autocast(device_type=dev, dtype=dtype, enabled=enabled)
             ac.__enter__()
@@ -157,8 +158,20 @@ def replayed(block: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.
     return found
 
 
-def _plain_attrs(modules: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
-    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in (int, float, bool)}) for m in modules]
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(v: Any) -> bool:
+    """A value the recompute replays: a number, flag, string or None (peft's active adapter name, a mode), or a
+    list or tuple of them (peft's active adapters)."""
+    return type(v) in _PLAIN or (type(v) in (list, tuple) and all(type(x) in _PLAIN for x in v))
+
+
+def _plain_attrs(modules: Sequence[torch.nn.Module], copy: bool = True) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """Each module's plain attributes; ``copy``: lists copied (the snapshot the recompute replays must not
+    follow a later in-place change; the values put back after a replay are the objects themselves)."""
+    return [(m, {k: list(v) if copy and type(v) is list else v for k, v in m.__dict__.items() if _plain(v)})
+            for m in modules]
 
 
 class StreamedBlock(torch.autograd.Function):
