@@ -23,6 +23,7 @@ from typing_extensions import override
 from .engine import StreamingEngine
 from .interrupts import DeferredInterrupt
 from .optim import HostOptimizer
+from .optim.host_optimizer import step_without_closure
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class MegaTrainPrecision(Precision):
         if self.engine is not None:
             self.engine.host_step_begins(claimed)  # a store updated on the device before comes home first
         if host is None:
-            optimizer.step()
+            step_without_closure(optimizer)
         else:
             # the claimed stores were (or are being) updated on the host worker; under data parallel, the
             # stores another rank of the node owns are updated by that rank

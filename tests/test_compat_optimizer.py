@@ -280,3 +280,51 @@ def test_weights_a_step_post_hook_writes_reach_the_next_forward(options: dict) -
     ref = fit(PostHookClipsWeights, None, max_steps=4)
     got = fit(PostHookClipsWeights, megatrain(**options), max_steps=4)
     assert_exact(ref, got)
+
+
+class SAM(torch.optim.SGD):
+    """Sharpness-aware minimisation as commonly written: its step needs the closure (a second forward and backward
+    at perturbed weights)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        assert closure is not None, "SAM requires closure"
+        with torch.enable_grad():
+            loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["e"] = e = 0.05 * p.grad / (p.grad.norm() + 1e-12)
+                    p.add_(e)
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "e" in self.state[p]:
+                    p.sub_(self.state[p]["e"])
+        super().step()
+        return loss
+
+
+class SAMBlocks(TokenBlocks):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return SAM(self.parameters(), lr=0.05)
+
+
+def test_an_optimizer_that_needs_the_closure_fails_with_a_note_naming_it_and_the_fix() -> None:
+    """The default strategy trains it; the strategy cannot run a step's forward and backward again inside the
+    update: the optimizer's own error carries a note (it was a bare AssertionError), and no weight changed."""
+    fit(SAMBlocks, None, max_steps=2)
+    built: list[Any] = []
+
+    def build() -> pl.LightningModule:
+        built.append(SAMBlocks())
+        built.append(copy.deepcopy(built[0].state_dict()))
+        return built[0]
+
+    with pytest.raises(AssertionError, match="SAM requires closure") as err:
+        fit(build, "megatrain", max_steps=2)
+    notes = " ".join(getattr(err.value, "__notes__", []))
+    assert "SAM.step() was called without a closure" in notes and "re-evaluates the loss" in notes, notes
+    module, before = built
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())

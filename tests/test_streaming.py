@@ -284,3 +284,11 @@ def test_host_adam_overlaps_the_backward_only_when_exact(clip, accumulate, expec
     assert probe.count == ((depth + 2) * steps if expect_overlap else 0)
     for (name, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         assert ((a - b).norm() / a.norm()).item() < 1e-5, name
+
+
+def test_fabric_is_refused_naming_the_trainer() -> None:
+    """``Fabric(strategy="megatrain")`` read "invalid strategy name ... must be a string": now one sentence."""
+    from lightning.fabric import Fabric
+
+    with pytest.raises(TypeError, match=r"Lightning Fabric is not supported.*lightning.pytorch.Trainer\(strategy=\"megatrain\"\)"):
+        Fabric(accelerator="cpu", devices=1, strategy="megatrain")

@@ -388,7 +388,7 @@ class HostOptimizer:
             assert not skip
             t0 = time.perf_counter()
             with _without_pre_hooks(opt):
-                opt.step()  # the optimizer's own step, its post-hooks included
+                step_without_closure(opt)  # the optimizer's own step, its post-hooks included
             self.update_seconds += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
@@ -475,6 +475,22 @@ class StoreUpdate:
     def prefers_half_grads() -> bool:
         """Asked by the engine for ``bf16_grads=None``: bf16 gradients pay where the one-pass kernel builds."""
         return kernels.half_grads_pay()
+
+
+def step_without_closure(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()``: the step's forward and backward ran before it (streamed), so no closure is passed. An
+    optimizer that needs one (SAM, a line search: it evaluates the loss again inside its step) fails on its own
+    terms; its error gets a note saying why and what to change."""
+    try:
+        opt.step()
+    except (AssertionError, TypeError, ValueError, RuntimeError) as err:
+        if "closure" in str(err).lower() or "'NoneType' object is not callable" in str(err):
+            err.add_note(
+                f"MegaTrainStrategy: {type(opt).__name__}.step() was called without a closure: the strategy runs the "
+                "step's forward and backward, streaming the blocks, before the update, and cannot run them again "
+                "inside it. An optimizer that re-evaluates the loss inside its step (SAM, line searches) is not "
+                "supported: use one that steps once per backward (AdamW, SGD, ...), or Lightning's default strategy.")
+        raise
 
 
 @contextlib.contextmanager
