@@ -354,9 +354,9 @@ class StreamingEngine:
         return {id(s) for key, s in self.keyed_stores() if not self.owns(key)}
 
     def step_done(self, claimed: set[int]) -> None:
-        """The optimizer step is complete on this rank: the stores it updated itself (not ``claimed`` by an
-        early update, which publishes its own) are published to the node's other ranks, and the step
-        counts towards what they wait for."""
+        """The optimizer step is complete on this rank (an exception before the next opens is not its: abort_step); the
+        stores it updated itself (not ``claimed`` by an early update, which publishes its own) go to the node's other ranks."""
+        self.updates.begin_step()
         if self.replicas.parallel:
             for key, store in self.keyed_stores():
                 if self.owns(key) and id(store) not in claimed:

@@ -79,9 +79,31 @@ def reclaim(engine: Any) -> None:
         for store in engine.all_stores():
             for p, view in zip(store.params, store.master_views):
                 if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                    if _shares_memory(p):
+                        _refuse_alias(engine, p)
                     view.copy_(p.detach().reshape(view.shape))
                     p.data = view
     engine.weights_changed()
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _shares_memory(p: torch.Tensor) -> bool:
+    """Another tensor still holds the memory ``p.data`` was pointed at (``p.data = t`` with ``t`` kept): under the
+    default strategy the two would train as one. Counted references: ``p``'s own and the storage object asked."""
+    return _use_count is not None and _use_count(p.untyped_storage()._cdata) > 2
+
+
+def _refuse_alias(engine: Any, p: torch.Tensor) -> None:
+    name = next((n for n, q in engine.root.named_parameters(remove_duplicate=False) if q is p), type(p).__name__)
+    raise ValueError(
+        f"MegaTrainStrategy cannot train {name} exactly: its .data was set to a tensor that something else still "
+        "holds (p.data = t with t kept, as ModelPruning's lottery-ticket reset keeps its copy of the first weights). "
+        "Under Lightning's default strategy p and t would then share memory, and every later update of p would also "
+        "change t; the strategy keeps p in its host store, so t would stay as it was. Copy the values instead "
+        "(p.data.copy_(t), or p.data = t.clone()); with ModelPruning, use_lottery_ticket_hypothesis=False (or prune "
+        "with the default strategy).")
 
 
 def upcast_buffers(engine: Any) -> None:
