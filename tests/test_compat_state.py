@@ -474,7 +474,7 @@ def test_pruning_blocks_during_training_is_refused_by_name() -> None:
             super().setup(trainer, pl_module, stage)
 
     fit(TokenBlocks, None, max_steps=6, callbacks=[BlocksOnly("l1_unstructured", amount=0.3)])
-    with pytest.raises(RuntimeError, match=r"its parameter fc1\.weight was re-registered after setup.*Prune or "
+    with pytest.raises(RuntimeError, match=r"block 0 \(MLPBlock\): its parameter fc1\.weight was re-registered after setup.*Prune or "
                                            r"parametrize before fit"):
         fit(TokenBlocks, "megatrain", max_steps=6, callbacks=[BlocksOnly("l1_unstructured", amount=0.3)])
 

@@ -73,8 +73,8 @@ def reclaim(engine: Any) -> None:
     copied back into it and re-pointed, and every device copy is refreshed before its next use. Version
     counters cannot tell: ``p.data.copy_`` bumps none. The same writers may re-register a block's parameters
     (pruning, a parametrization): refused by name (``BlockBinding.same_structure``)."""
-    for binding in engine.bindings:
-        binding.same_structure()
+    for i, binding in enumerate(engine.bindings):
+        binding.same_structure(i)
     with torch.no_grad():
         for store in engine.all_stores():
             for p, view in zip(store.params, store.master_views):

@@ -48,7 +48,7 @@ class BlockBinding:
         self.host_versions = [b._version for _, _, b in buffers]
         self.written: list[int] = []  # layout indices of the parameters the last bound() call wrote in place
 
-    def same_structure(self) -> None:
+    def same_structure(self, index: int | None = None) -> None:
         """Refuses a block whose parameters were re-registered since setup (``torch.nn.utils.prune`` and
         Lightning's ``ModelPruning`` move ``weight`` to ``weight_orig`` and recompute it in a pre-hook;
         ``parametrize`` moves it under ``parametrizations``): binding would put streamed weights where the
@@ -58,7 +58,8 @@ class BlockBinding:
                 if mod._parameters.get(name) is not p:
                     path = next((n for n, m in self.block.named_modules() if m is mod), "?")
                     raise RuntimeError(
-                        f"MegaTrainStrategy cannot go on training block {type(self.block).__name__}: its parameter "
+                        f"MegaTrainStrategy cannot go on training block {'' if index is None else f'{index} '}"
+                        f"({type(self.block).__name__}): its parameter "
                         f"{path + '.' if path else ''}{name} was re-registered after setup (torch.nn.utils.prune or "
                         "Lightning's ModelPruning, a parametrization added in training), so the weights it streams "
                         "are no longer the ones the module reads. Prune or parametrize before fit (and "
