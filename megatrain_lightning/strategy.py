@@ -269,12 +269,15 @@ class MegaTrainStrategy(ParallelStrategy):
         refuse_running_statistics(named_blocks)
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_grad_hooks(named_blocks)
-        # Hugging Face's own checkpointing flag, off while the engine recomputes every block; the user's
-        # setting is back after fit (teardown)
-        self._user_checkpointing = {id(b): (b, b.gradient_checkpointing) for b in blocks
-                                    if getattr(b, "gradient_checkpointing", False)}
-        for b, _ in self._user_checkpointing.values():
-            b.gradient_checkpointing = False
+        # Flags off during fit, the user's settings back at teardown: Hugging Face's own checkpointing (the engine
+        # recomputes every block), and Gemma4's copy of a layer's keys for later layers where no layer reads them
+        # (num_kv_shared_layers=0: it would leave the block with a gradient history, refused by first_call)
+        reused = any(getattr(m, "is_kv_shared_layer", False) for m in module.modules())
+        self._switched_off = [(b, "gradient_checkpointing") for b in blocks if getattr(b, "gradient_checkpointing", False)]
+        self._switched_off += [] if reused else [
+            (m, "store_full_length_kv") for m in module.modules() if getattr(m, "store_full_length_kv", None) is True]
+        for obj, attr in self._switched_off:
+            setattr(obj, attr, False)
         module._apply(lambda t: t if t.is_meta else t.cpu())  # meta tensors are materialised below
         self._check_host_memory(module, blocks, trainer)
         # The store comes first: a meta-built model is materialised into it block by block, and the
@@ -447,9 +450,9 @@ class MegaTrainStrategy(ParallelStrategy):
             self.placement_summary = self.placement.summary()
         self.placement = None
         self.precision_plugin.placement = None
-        for b, flag in getattr(self, "_user_checkpointing", {}).values():
-            b.gradient_checkpointing = flag
-        self._user_checkpointing = {}
+        for obj, attr in getattr(self, "_switched_off", []):
+            setattr(obj, attr, True)
+        self._switched_off = []
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []

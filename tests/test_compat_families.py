@@ -111,6 +111,13 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any], Callable[..., tuple], Callable
         suppress_tokens=None, begin_suppress_tokens=None),
         lambda n, s, k: (_randn((n, 8, 16), k), _tokens(n, 12, k + 1)),
         lambda feats, labels: dict(input_features=feats, labels=labels)),
+    # without KV sharing its last layer of each type still stores its keys for later ones (assistant models), which
+    # no layer reads: the strategy switches that off during fit (refused in the first forward before, 2026-12-07)
+    "gemma4_text_noshare": ("Gemma4ForCausalLM", lambda: _config(
+        "Gemma4TextConfig", **{**LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=V,
+        hidden_size_per_layer_input=8, per_layer_config={}, num_kv_shared_layers=0),
+        lambda n, s, k: (_tokens(n, s, k),), _lm),
     "clip": ("CLIPModel", lambda: _config(
         "CLIPConfig", projection_dim=16,
         text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -205,6 +212,16 @@ def test_family_trains_as_under_the_default_strategy(family: str) -> None:
         assert worst < 1e-6, f"{noise}: {worst:.2e} apart"
     changed = [k for k, v in ref.init_state.items() if v.is_floating_point() and not torch.equal(v, ref.state[k])]
     assert len(changed) > len(ref.state) // 2, "the reference run hardly trained: the comparison would be vacuous"
+
+
+def test_gemma4_keys_stored_for_no_layer_are_switched_off_only_during_fit() -> None:
+    if not _available("gemma4_text_noshare"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4ForCausalLM")
+    module = Family(family="gemma4_text_noshare")
+    stored = [m for m in module.modules() if getattr(m, "store_full_length_kv", False)]
+    assert stored, "the tiny Gemma4 no longer stores keys for later layers: the family test is vacuous"
+    fit(lambda: module, "megatrain", max_steps=1)
+    assert all(m.store_full_length_kv for m in stored), "the model's own setting must be back after fit"
 
 
 @pytest.mark.parametrize("family, names", [
