@@ -66,7 +66,8 @@ def _repeated_lists(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[
                 # _modules, not named_children(): the same block object listed twice must be seen twice
                 members = [(f"{path}.{n}", c) for n, c in child._modules.items() if c is not None and _has_params(c)]
                 classes = {type(c) for _, c in members}
-                if len(members) >= 2 and len(classes) == 1:
+                # a list of lists (stages of layers, Funnel's encoder.blocks) has no forward to stream: look inside
+                if len(members) >= 2 and len(classes) == 1 and next(iter(classes)).forward is not nn.Module.forward:
                     blocks.extend(members)
                     continue
                 if len(members) >= 2 and len(classes) > 1 and all(len(list(c.children())) > 0 for _, c in members):

@@ -80,6 +80,12 @@ def refuse_state_across_blocks(name: str, config: object) -> None:
             "keys would reach them without a gradient (its k_proj, v_proj and everything before it would get too "
             "little). Train it with Lightning's default strategy (or FSDP), or build it with "
             "num_kv_shared_layers=0 (a different model).")
+    if getattr(text, "model_type", None) == "reformer":
+        raise ValueError(
+            f"MegaTrainStrategy cannot stream {name}'s layers: its reversible layers (_ReversibleFunction) run without "
+            "a graph and rebuild their inputs in their own backward, calling the layers' submodules directly, so no "
+            "streamed block call would run (the layers would read their host weights). Train it with Lightning's "
+            "default strategy (or FSDP).")
     if getattr(text, "model_type", None) == "recurrent_gemma":
         raise ValueError(
             f"MegaTrainStrategy cannot train {name} exactly: its recurrent blocks keep their state between calls "

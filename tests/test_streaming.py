@@ -215,6 +215,19 @@ def test_mixed_block_list_is_refused_and_block_class_resolves_it() -> None:
         find_blocks(Mixed(), block_class="NoSuchBlock")
 
 
+def test_stages_of_layers_stream_the_layers_not_the_stage_lists() -> None:
+    """A ModuleList of ModuleLists (stages iterated layer by layer; Funnel's encoder.blocks): the inner lists have no
+    forward, so no block call would run (the layers ran on their host weights, never streamed)."""
+
+    class Stages(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.ModuleList([Block(8), Block(8)]) for _ in range(2)])
+
+    found = find_blocks(Stages())
+    assert [n for n, _ in found] == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"]
+
+
 @pytest.mark.parametrize("precision, why", [("16-true", "fp16 would need a loss scaler"),
                                              ("bf16-true", "bf16-true would keep bf16 masters"),
                                              ("64-true", "fp64 weights are not streamed; use 32-true")])
