@@ -255,3 +255,37 @@ def test_finished_updates_are_not_kept_over_a_long_run() -> None:
     fit(partial(ZOO["llama"], optimizer="adamw", lr=3e-3), megatrain(), max_steps=8, callbacks=[probe])
     stores = 2 + len(ZOO["llama"]().model.model.layers)  # blocks and the two resident parts
     assert len(probe.sizes) == 8 and max(probe.sizes) <= 2 * stores, probe.sizes
+
+
+def test_host_worker_shuts_down_after_interrupts_mid_submit() -> None:
+    """A KeyboardInterrupt raised in the caller mid-``submit`` (a signal handler runs between any two bytecodes; a
+    second Ctrl-C raises at once) left the worker's condition lock held or its wake-up lost: the engine's close
+    then hung in ``Thread.join`` for ever (2 of 70 random interrupts of a fit). Every trial's shutdown must return
+    and run every job that was queued."""
+    import random
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    rng = random.Random(0)
+    try:
+        for trial in range(300):
+            worker, futures = HostWorker(), []
+            try:
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, 0.0004))
+                    for _ in range(200):
+                        futures.append(worker.submit(0, lambda: None))
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                pass
+            done = threading.Thread(target=worker.shutdown, daemon=True)
+            done.start()
+            done.join(20)
+            assert not done.is_alive(), f"trial {trial}: HostWorker.shutdown hung after an interrupt mid-submit"
+            assert all(f.done() for f in futures), f"trial {trial}: queued jobs did not run"
+    finally:
+        signal.signal(signal.SIGALRM, previous)
