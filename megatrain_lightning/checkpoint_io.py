@@ -239,6 +239,11 @@ def _torch_load(source: Any, name: Path, map_location: Any, weights_only: bool |
         if isinstance(source, Path):
             return pl_load(source, map_location=map_location, weights_only=weights_only)
         return torch.load(source, map_location=map_location, weights_only=weights_only)
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as err:
+        # torch's zip reader checks fields Python's zipfile (_verify_torch_file) does not: a damaged zip64 record
+        if isinstance(err, RuntimeError) and "PytorchStreamReader" not in str(err) and "zip" not in str(err).lower():
+            raise
+        raise CheckpointError(f"{name}: damaged or truncated ({_first_line(err)}); {_WHAT_TO_DO}") from err
     except pickle.UnpicklingError as err:
         if weights_only is False or "Weights only load failed" not in str(err):
             raise CheckpointError(f"{name}: not readable as a torch checkpoint ({_first_line(err)}); {_WHAT_TO_DO}") from err

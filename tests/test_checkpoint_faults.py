@@ -559,6 +559,9 @@ DAMAGE: dict[str, tuple[str, str, Any]] = {
     "file: flipped data byte": ("file", "c.ckpt", lambda c: _flip(c, _zip_offset(c))),
     "file: truncated": ("file", "c.ckpt", lambda c: _truncate(c, 1000)),
     "file: flipped pickle byte": ("file", "c.ckpt", lambda c: _flip(c, _zip_offset(c, "data.pkl"))),
+    # zip64 records Python's zipfile does not read, torch's reader does (its RuntimeError named no file before)
+    "file: flipped zip64 locator": ("file", "c.ckpt", lambda c: _flip(c, c.stat().st_size - 30)),
+    "file: flipped zip64 entry count": ("file", "c.ckpt", lambda c: _flip(c, c.stat().st_size - 60)),
 }
 
 
