@@ -107,15 +107,19 @@ class MegaTrainPrecision(Precision):
             # optimizer.step would see them; no hook that may set them runs later (the strategy's _overlap_target).
             self.engine.on_grads_final = self.overlap.overlap_update()
         self.overlap = None
+        self.interrupts.arm()  # a micro-batch's backward outside the optimizer step (accumulation) holds Ctrl-C too
         try:
             model.backward(tensor, *args, **kwargs)
             if self.engine is not None:
                 # Host sync point: all gradients are in host memory before on_after_backward sees them.
                 self.engine.finish_backward()
         except BaseException as exc:
+            self.interrupts.drop()
             if self.on_abort is not None:
                 self.on_abort(exc)
             raise
+        finally:
+            self.interrupts.release()
 
     def _finite_everywhere(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite, on every rank under data parallel (a host sync: one scalar)."""

@@ -557,10 +557,13 @@ class MegaTrainStrategy(ParallelStrategy):
             )
             # Said where the user looks (the exception) and kept on the module: a later fit, validate or test of
             # it warns at setup, unless it resumes from a checkpoint.
-            exc.add_note(f"MegaTrainStrategy: {what} when this exception stopped the step, so the module's weights "
-                         "and optimizer state now mix two steps (saving them is refused). Resume from the last "
-                         "checkpoint (trainer.fit(..., ckpt_path='last')) rather than using this module as it is; "
-                         "EngineConfig(overlap_optimizer=False) leaves a step's state whole under such exceptions.")
+            note = (f"MegaTrainStrategy: {what} when this exception stopped the step, so the module's weights "
+                    "and optimizer state now mix two steps (saving them is refused). Resume from the last "
+                    "checkpoint (trainer.fit(..., ckpt_path='last')) rather than using this module as it is; "
+                    "EngineConfig(overlap_optimizer=False) leaves a step's state whole under such exceptions.")
+            exc.add_note(note)
+            if isinstance(exc, KeyboardInterrupt):  # Lightning ends a fit on it with sys.exit: no traceback shows the note
+                rank_zero_warn(note)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__["_megatrain_torn"] = self._torn
 

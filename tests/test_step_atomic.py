@@ -88,13 +88,16 @@ class Fault(Exception):
     pass
 
 
-def _inject(monkeypatch: pytest.MonkeyPatch, where: str, nth: int, sigint: bool = False) -> None:
-    """Raise (or send SIGINT) at the ``nth`` call of ``where`` during step STEP."""
+def _inject(monkeypatch: pytest.MonkeyPatch, where: str, nth: int, sigint: bool = False, interrupt: bool = False) -> None:
+    """Raise (or send SIGINT, or raise KeyboardInterrupt as a signal handler would) at the ``nth`` call of ``where``
+    during step STEP."""
     calls = {"step": 0, "n": 0}
 
     def fault() -> None:
         if sigint:
             os.kill(os.getpid(), signal.SIGINT)
+        elif interrupt:
+            raise KeyboardInterrupt
         else:
             raise Fault(f"injected at {where} #{nth}")
 
@@ -240,6 +243,14 @@ def test_a_torn_step_says_so_in_its_exception_and_when_the_module_is_used_again(
         trainer.validate(built[-1], dataloaders=built[-1].train_dataloader())
 
 
+def test_a_step_torn_by_a_keyboard_interrupt_is_said_in_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning ends a fit on a KeyboardInterrupt with sys.exit (no traceback): the torn step's note reached no one."""
+    _inject(monkeypatch, "block backward", 3, interrupt=True)
+    with pytest.warns(UserWarning, match="host updates had run when this exception stopped"):
+        with pytest.raises(SystemExit):  # inside: pytest.warns checks nothing when its block raises
+            fit(FACTORY, megatrain(), max_steps=STEP + 2, callbacks=[_inject.counter])
+
+
 def test_a_ctrl_c_in_the_backward_waits_for_the_step_and_resumes_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: dict
 ) -> None:
@@ -265,6 +276,32 @@ def _ctrl_c_in_the_backward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ref
     resumed = fit(FACTORY, megatrain(), max_steps=STEP + 2, ckpt_path=str(saved[0]), weights_only=False)
     straight = fit(FACTORY, megatrain(), max_steps=STEP + 2)
     assert _same(_state(resumed.module, resumed.trainer), _state(straight.module, straight.trainer))
+
+
+class SeesSigintHandler(TinyLlama):
+    """Records, from inside each micro-batch's backward, whether a Ctrl-C there would be held."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.held: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        loss.register_hook(lambda g: self.held.append(signal.getsignal(signal.SIGINT) is not signal.default_int_handler))
+        return loss
+
+
+def test_a_ctrl_c_in_the_backward_of_a_micro_batch_before_the_step_is_held_too() -> None:
+    """With accumulation the first micro-batches' backward runs outside the optimizer step: a Ctrl-C there
+    stopped the backward at once (the realistic way into a hang of the engine's close, fixed in the host
+    worker); it now waits for the micro-batch's end as in the last one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run = fit(partial(SeesSigintHandler, **{**FACTORY.keywords, "n_train": 8}), megatrain(), max_steps=1,
+                  accumulate_grad_batches=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert run.module.held == [True, True], run.module.held
 
 
 # ---------------------------------------------------------------------------------------------- non-finite
