@@ -67,7 +67,7 @@ def _repeated_lists(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[
                 members = [(f"{path}.{n}", c) for n, c in child._modules.items() if c is not None and _has_params(c)]
                 classes = {type(c) for _, c in members}
                 # a list of lists (stages of layers, Funnel's encoder.blocks) has no forward to stream: look inside
-                if len(members) >= 2 and len(classes) == 1 and next(iter(classes)).forward is not nn.Module.forward:
+                if len(members) >= 2 and len(classes) == 1 and not issubclass(next(iter(classes)), (nn.ModuleList, nn.ModuleDict)):
                     blocks.extend(members)
                     continue
                 if len(members) >= 2 and len(classes) > 1 and all(len(list(c.children())) > 0 for _, c in members):
