@@ -121,6 +121,9 @@ def check_trainer_values(node: DictConfig) -> None:
         value = node.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise bad(key, value, "a positive integer")
+    clip = node.get("gradient_clip_val")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip < 0:
+        raise bad("gradient_clip_val", clip, "a positive number (or null: no clipping; Lightning skips values <= 0)")
     interval = node.get("val_check_interval")
     if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
         raise bad("val_check_interval", interval, "a positive number of steps (or a fraction of an epoch, <= 1.0)")
@@ -271,7 +274,7 @@ def warn_if_disk_is_short(out_dir: Path, num_params: int, callbacks: list[Any], 
     free = shutil.disk_usage(where).free
     if need > free:
         log.warning("checkpoints and export may need %.1f GB but %s has %.1f GB free: set trainer.callbacks.checkpoint="
-                    "null and/or trainer.callbacks.hf_export=null (or trainer.callbacks.hf_export.dtype=bfloat16), or "
+                    "null and/or trainer.callbacks.hf_export=null (or +trainer.callbacks.hf_export.dtype=bfloat16), or "
                     "paths.output_dir=<a larger disk>", need / GB, where, free / GB)
 
 

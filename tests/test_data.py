@@ -112,6 +112,8 @@ def test_text_files_are_packed_into_full_rows(tmp_path: Path) -> None:
     (tmp_path / "docs" / "skip.bin").write_text("not text")
     dm = PackedTextDataModule(path=str(tmp_path / "docs"), seq_len=16, batch_size=2)
     assert [Path(f).name for f in dm.files] == ["a.txt", "b.md"]
+    # data.suffixes=.txt from the command line is a string: one ending (it was read as ".", "t", "x", "t")
+    assert [Path(f).name for f in PackedTextDataModule(path=str(tmp_path / "docs"), suffixes=".txt").files] == ["a.txt"]
     dm.setup("fit")
     total = len("hello world " * 10) + len("second document " * 10) + 2  # + one <eos> per document
     assert dm.rows.shape == (total // 16, 16)

@@ -124,6 +124,7 @@ BAD_INPUT = {
         ["error: model.config.pad_token_id=199999 is outside the vocabulary (model.config.vocab_size=512)",
          "Set model.config.pad_token_id below 512 (or null), or raise vocab_size"],
     ),
+    "negative clipping": (["trainer.gradient_clip_val=-1"], ["error: trainer.gradient_clip_val=-1: expected a positive number"]),
     "max_steps not a number": (["trainer.max_steps=abc"], ["error: trainer.max_steps='abc': expected an integer", "trainer.max_steps=-1"]),
     "misspelt trainer key": (["+trainer.max_step=5"], ["error: trainer.max_step: Trainer has no parameter 'max_step'", "did you mean trainer.max_steps?"]),
     # found by a sweep of bad input (2026-12-05): an unknown top-level key was ignored (so was a resume), a seed

@@ -56,7 +56,8 @@ class PackedTextDataModule(pl.LightningDataModule):
         tokenizer: Any | None = None,
     ) -> None:
         super().__init__()
-        self.files = text_files(path, tuple(suffixes))
+        suffixes = (suffixes,) if isinstance(suffixes, str) else tuple(suffixes)  # data.suffixes=.txt: one ending
+        self.files = text_files(path, suffixes)
         if not self.files:
             raise ConfigError(f"data.path={path} does not exist or holds no {'/'.join(suffixes)} files")
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
