@@ -155,13 +155,7 @@ class ShardedCheckpointIO(CheckpointIO):
             return _load_directory(src, map_location, weights_only)
         if (src / META_NAME).is_file():
             return _load_directory_v1(src, map_location, weights_only)
-        found = sorted(str(p) for p in src.glob("**/*.ckpt"))[:3]
-        raise CheckpointError(
-            f"{src}: a directory without {INDEX_NAME} or {META_NAME}, so not a checkpoint written by "
-            f"{type(self).__name__}"
-            + (f" (a run directory? it holds {', '.join(found)}): pass one of those" if found else
-               f": pass a checkpoint ModelCheckpoint wrote (a .ckpt file or directory), or {_WHAT_TO_DO}")
-        )
+        raise _not_a_checkpoint(src)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -186,6 +180,43 @@ class ShardedCheckpointIO(CheckpointIO):
 # ---------------------------------------------------------------------------------------------
 # the single-file format
 # ---------------------------------------------------------------------------------------------
+def _not_a_checkpoint(src: Path) -> CheckpointError:
+    found = sorted(str(p) for p in src.glob("**/*.ckpt"))[:3]
+    return CheckpointError(
+        f"{src}: a directory without {INDEX_NAME} or {META_NAME}, so not a checkpoint written by "
+        f"{ShardedCheckpointIO.__name__}"
+        + (f" (a run directory? it holds {', '.join(found)}): pass one of those" if found else
+           f": pass a checkpoint ModelCheckpoint wrote (a .ckpt file or directory), or {_WHAT_TO_DO}")
+    )
+
+
+def checkpoint_keys(path: _PATH) -> list[str] | None:
+    """The top-level keys of a checkpoint (``state_dict``, ``loops``, ...), read without its tensors: a directory's
+    index and ``meta.pt``, a file's pickle with its tensors mapped, not read. For a run to see whether it was given
+    a Lightning checkpoint before it builds anything (the load proper checks every byte). None where it cannot tell
+    that cheaply: ``torch.load(weights_only=True)`` refuses an object in it, or a pre-1.6 (non-zip) torch file."""
+    src = _local_path(path)
+    try:
+        if src.is_dir():
+            if (src / INDEX_NAME).is_file():
+                top = read_meta(src, read_index(src), "cpu", True)
+            elif (src / META_NAME).is_file():
+                top = _torch_load(src / META_NAME, src / META_NAME, "cpu", True)["checkpoint"]
+            else:
+                raise _not_a_checkpoint(src)
+        else:
+            with open(src, "rb") as f:
+                magic = f.read(4)
+            if magic != b"PK\x03\x04":
+                if magic[:1] != b"\x80":
+                    raise CheckpointError(f"{src}: not a torch checkpoint (neither a zip nor a pickle); {_WHAT_TO_DO}")
+                return None
+            top = _torch_load(src, src, "cpu", True, mmap=True)
+    except _WeightsOnlyRefused:
+        return None
+    return sorted(str(k) for k in top) if isinstance(top, dict) else []
+
+
 def _storage_bytes(obj: Any) -> int:
     """What ``torch.save`` would write for the tensors found in dicts, lists and tuples: each storage
     once, whole (a view saves its entire storage)."""
@@ -234,11 +265,11 @@ class _WeightsOnlyRefused(CheckpointError, pickle.UnpicklingError):
     """torch.load(weights_only=True) refused an object in the checkpoint (still a pickle.UnpicklingError)."""
 
 
-def _torch_load(source: Any, name: Path, map_location: Any, weights_only: bool | None) -> Any:
+def _torch_load(source: Any, name: Path, map_location: Any, weights_only: bool | None, mmap: bool = False) -> Any:
     try:
-        if isinstance(source, Path):
+        if isinstance(source, Path) and not mmap:
             return pl_load(source, map_location=map_location, weights_only=weights_only)
-        return torch.load(source, map_location=map_location, weights_only=weights_only)
+        return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except (RuntimeError, EOFError, zipfile.BadZipFile) as err:
         # torch's zip reader checks fields Python's zipfile (_verify_torch_file) does not: a damaged zip64 record
         if isinstance(err, RuntimeError) and "PytorchStreamReader" not in str(err) and "zip" not in str(err).lower():

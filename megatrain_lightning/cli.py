@@ -14,6 +14,7 @@ from those.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import logging
@@ -40,6 +41,9 @@ _OPTIONAL_PACKAGES = {
     "lightning.pytorch.strategies.DeepSpeedStrategy": ("deepspeed", "pip install deepspeed"),
 }
 
+# A planned device peak this many times the device's memory is refused before the build (an out-of-memory error
+# for certain: the planner's peaks were within 10% of measured, docs/long_context.md); between 1x and this, a warning.
+DEVICE_REFUSAL = 1.5
 # Strategies that keep every byte of training state on the device.
 _DEVICE_RESIDENT = ("SingleDeviceStrategy",)
 # Lightning refuses these without a GPU accelerator.
@@ -93,6 +97,23 @@ def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareP
             f"strategy={name} runs only on CUDA GPUs, but hardware={hw.name} has accelerator={hw.accelerator}: "
             f"choose a GPU hardware profile, or strategy=megatrain or strategy=single_device"
         )
+    if hw.accelerator != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ConfigError(
+            f"hardware={hw.name} is a CUDA GPU profile, but this machine has no CUDA GPU (torch {torch.__version__}"
+            f"{'' if torch.version.cuda else ', a CPU-only build'}): use hardware=auto (or hardware=cpu) here; to "
+            f"plan for that GPU without one, python -m megatrain_lightning.plan hardware={hw.name} ..."
+        )
+    device = strategy_node.get("device")
+    for key, value in (("hardware.device", hw.device), (f"strategy.device", device)):
+        index = str(value).partition(":")[2] if value is not None and str(value).startswith("cuda:") else ""
+        if index.isdigit() and int(index) >= count:
+            raise ConfigError(f"{key}={value}: this machine has {count} CUDA device{'s' * (count > 1)} "
+                              f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
 
 
 def resume_from(ckpt_path: Any) -> str | None:
@@ -106,7 +127,27 @@ def resume_from(ckpt_path: Any) -> str | None:
             f"ckpt_path={ckpt_path} does not exist: give the checkpoint of an earlier run, e.g. "
             "ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt (the run directory its log printed)"
         )
+    from megatrain_lightning.checkpoint_io import checkpoint_keys
+
+    keys = checkpoint_keys(path)  # without its tensors: a wrong file is refused before the model is built
+    missing = [k for k in ("state_dict", "optimizer_states", "loops") if keys is not None and k not in keys]
+    if missing:
+        shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "") if keys else "none"
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} is not the checkpoint of a Lightning training run: it has no "
+            f"{', '.join(missing)} (its top-level keys: {shown}). ckpt_path resumes a run train.py saved (its "
+            "checkpoints/last.ckpt, with weights, optimizer state and loop progress); to start from other weights, "
+            "set model.pretrained=<a Hugging Face checkpoint directory> instead")
     return path
+
+
+def make_output_dir(out_dir: Path) -> None:
+    """The run's output directory, created now: a path that cannot hold one is refused by name before the build."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"paths.output_dir={out_dir} cannot be created ({err.strerror or err}): set paths.output_dir "
+                          "to a writable directory") from None
 
 
 def check_trainer_values(node: DictConfig) -> None:
@@ -114,6 +155,9 @@ def check_trainer_values(node: DictConfig) -> None:
     def bad(key: str, value: Any, want: str) -> ConfigError:
         return ConfigError(f"trainer.{key}={value!r}: expected {want}")
 
+    devices = node.get("devices")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
+        raise bad("devices", devices, "a positive number of devices (or -1 or \"auto\": all of them)")
     steps = node.get("max_steps", -1)
     if isinstance(steps, int) and (steps == 0 or steps < -1):
         raise bad("max_steps", steps, "a positive number of optimizer steps (or -1: by max_epochs)")
@@ -160,6 +204,8 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
         log.info("%s", verdict(plan))
         if plan.moe_warning:
             log.warning("%s", plan.moe_warning)
+        if plan.gpu_total > DEVICE_REFUSAL * plan.gpu_available:  # far over: refused with what to change
+            from_config.planned_run(cfg, _overrides())  # the same plan, its device checked: raises ConfigError
         if plan.gpu_total > plan.gpu_available:
             log.warning("the planner puts the device peak at %.1f GB, over the %.1f GB available: expect an "
                         "out-of-memory error (python -m megatrain_lightning.plan ... says what to change)",
@@ -167,10 +213,11 @@ def check_fits(cfg: DictConfig, hw: HardwareProfile, model_name: str, strategy_n
         return plan, plan.host_total
     target = str(cfg.strategy.get("_target_"))
     if target.endswith(_DEVICE_RESIDENT):
-        if hw.accelerator == "cuda":
-            warning = device_state_warning(num_params, hw.device_memory_gb, strategy_name)
-            if warning:
-                log.warning(warning)
+        if hw.accelerator != "cuda":  # the device is the host: the whole training state lives in host memory
+            return None, check_baseline_host(model_name, num_params, hw)
+        warning = device_state_warning(num_params, hw.device_memory_gb, strategy_name)
+        if warning:
+            log.warning(warning)
         return None, 0.0
     return None, check_baseline_host(model_name, num_params, hw)
 
@@ -215,10 +262,13 @@ def has_validation(trainer_node: DictConfig, data: Any) -> bool:
     return bool(len(loader)) if hasattr(loader, "__len__") else True
 
 
-def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool = True) -> list[Any]:
+def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool = True,
+                    logged: tuple[str, ...] = ()) -> list[Any]:
     """The Trainer's callbacks from ``trainer.callbacks`` (by name; null entries skipped): the checkpoint
     callback only with ``enable_checkpointing``, and monitoring nothing (``last.ckpt`` only) without validation;
-    neither checkpoints nor the export when the data teaches nothing (``saves_model`` false: random tokens)."""
+    neither checkpoints nor the export when the data teaches nothing (``saves_model`` false: random tokens).
+    ``logged``: the metrics the model logs; a checkpoint monitor that is none of them but close to one is taken for
+    a misspelling and refused now (Lightning would fail at the first validation, after hours perhaps)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from megatrain_lightning.callbacks import HFExport
@@ -242,8 +292,35 @@ def build_callbacks(trainer_node: DictConfig, validates: bool, saves_model: bool
             continue
         if is_checkpoint and not validates and node.get("monitor") is not None:
             node = OmegaConf.merge(node, {"monitor": None})
+        monitor = node.get("monitor") if is_checkpoint else None
+        close = [] if monitor is None or monitor in logged else difflib.get_close_matches(str(monitor), logged, 1, 0.75)
+        if close:
+            raise ConfigError(f"trainer.callbacks.{name}.monitor={monitor}: the model logs no such metric (did you "
+                              f"mean {close[0]}? it logs {', '.join(logged)})")
         callbacks.append(instantiate(node))
     return callbacks
+
+
+def check_data_vocabulary(data_node: DictConfig, text_config: Any) -> None:
+    """``data.vocab_size`` (synthetic tokens' range) within the model's embedding: an id past it fails on the device
+    as an index error (a CUDA assert), or trains rows the embedding does not have."""
+    size, vocab = data_node.get("vocab_size"), getattr(text_config, "vocab_size", None)
+    if isinstance(size, int) and isinstance(vocab, int) and not 1 <= size <= vocab:
+        raise ConfigError(f"data.vocab_size={size}: token ids are drawn below it, so it must be between 1 and the "
+                          f"model's vocabulary ({vocab}): set data.vocab_size={vocab} (or null: the tokenizer's size)")
+
+
+def check_gives_batches(data_node: DictConfig, data: Any) -> None:
+    """Refuse data that gives no training batch (fewer samples than one batch, whose last partial batch is
+    dropped): Lightning would end the fit at once, with nothing trained and exit 0."""
+    loader = data.train_dataloader()
+    if not hasattr(loader, "__len__") or len(loader):
+        return
+    rows = len(loader.dataset) if hasattr(loader.dataset, "__len__") else "too few"
+    raise ConfigError(
+        f"the training data gives no batch: {rows} training samples, fewer than one batch of data.batch_size="
+        f"{data_node.get('batch_size')}. Lower data.batch_size, or give more data"
+        + (" (data.num_samples)" if "num_samples" in data_node else ""))
 
 
 def warn_if_past_positions(data_node: DictConfig, text_config: Any) -> None:
@@ -331,6 +408,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.output_dir)
     try:
         check_root(cfg)
+        make_output_dir(out_dir)
         ckpt_path = resume_from(cfg.get("ckpt_path"))
         check_config(cfg, groups=("hardware",))
         hw = resolve_hardware(cfg)
@@ -356,11 +434,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     predicted_step_s=round(plan.step_s, 4) if plan is not None else None,
                     micro_batch_picked=int(cfg.data.batch_size) if plan is not None and plan.picked else None)
         _write_json(out_dir / "run_info.json", info)
+        check_data_vocabulary(cfg.data, model.hf_config.get_text_config())
         data = instantiate(cfg.data, tokenizer=model.tokenizer)
         data.setup("fit")  # read and tokenise now: bad data fails here, not after the model is built
+        check_gives_batches(cfg.data, data)
         warn_if_past_positions(cfg.data, model.hf_config.get_text_config())
         validates = has_validation(cfg.trainer, data)
-        callbacks = build_callbacks(cfg.trainer, validates, saves_model=getattr(data, "saves_model", True))
+        callbacks = build_callbacks(cfg.trainer, validates, saves_model=getattr(data, "saves_model", True),
+                                    logged=tuple(getattr(model, "logged_metrics", ())))
         engine = cfg.strategy.get("engine") if _is_megatrain(cfg.strategy) else None
         warn_if_disk_is_short(out_dir, shape.total_params, callbacks, engine.get("host_state") if engine else None)
         strategy = build_strategy(cfg.strategy, hw, plan)

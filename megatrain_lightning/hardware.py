@@ -8,10 +8,12 @@ memory sizes with the ones measured on this machine.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric import connector
 from omegaconf import OmegaConf
 
 from . import host_memory
@@ -19,6 +21,8 @@ from .conf_dir import config_dir
 from .errors import ConfigError
 
 GB = 1e9
+# what Lightning's Trainer(precision=...) takes (64, "bf16-mixed", "32", ...)
+_PRECISIONS = tuple(v for arm in typing.get_args(connector._PRECISION_INPUT) for v in typing.get_args(arm))
 
 # GPU name fragments → profile file, most specific first.
 _NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100_pcie"), ("3090", "rtx3090"))
@@ -68,6 +72,27 @@ class HardwareProfile:
     pinned_budget_gb: float
     host_adam_gparams_per_s: float = 1.0  # unknown host: a conservative guess; profiles set their own
     device_update_gparams_per_s: float = 30.0  # a profile that does not say: a conservative guess; profiles set their own
+
+    def __post_init__(self) -> None:
+        """Values every planner ratio and the strategy divide by or allocate with, refused by key here rather than as
+        a ZeroDivisionError (or a run on the wrong device) later."""
+        if self.accelerator not in ("cuda", "cpu"):
+            raise ConfigError(f"hardware.accelerator={self.accelerator!r}: expected cuda or cpu")
+        if not str(self.device).startswith(self.accelerator):
+            raise ConfigError(f"hardware.device={self.device!r} is not a {self.accelerator} device (hardware."
+                              f"accelerator={self.accelerator}): set it to {'cuda:0' if self.accelerator == 'cuda' else 'cpu'}")
+        if self.precision not in _PRECISIONS:
+            raise ConfigError(f"hardware.precision={self.precision!r}: expected one of Lightning's precisions "
+                              f"({', '.join(str(p) for p in _PRECISIONS if isinstance(p, str) and '-' in p)})")
+        for key in ("device_memory_gb", "host_memory_gb", "link_gb_per_s", "slots", "micro_batch", "seq_len",
+                    "host_adam_gparams_per_s", "device_update_gparams_per_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"hardware.{key}={value!r}: expected a positive number")
+        for key in ("peak_bf16_tflops", "pinned_budget_gb"):  # 0: unknown peak (no MFU) / pin nothing
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"hardware.{key}={value!r}: expected a number >= 0")
 
 
 def measured_host_memory_gb() -> float:
@@ -141,7 +166,9 @@ def resolve_hardware(cfg: Any) -> HardwareProfile:
         profile = hydra.utils.instantiate(cfg.hardware, _convert_="all")
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, (ConfigError, TypeError)):  # a missing or unknown field of the profile
+        if isinstance(cause, ConfigError):  # a value HardwareProfile refuses, by key
+            raise cause from None
+        if isinstance(cause, TypeError):  # a missing or unknown field of the profile
             raise ConfigError(f"hardware: {str(cause).splitlines()[0]}") from None
         raise
     if not isinstance(profile, HardwareProfile):

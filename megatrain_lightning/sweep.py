@@ -8,7 +8,9 @@ overrides as a plain single run in the job's directory and waits for it. The chi
 `run_info.json` before training and `metrics.json` after; the parent adds the exit status and a
 one-line reason as `sweep_row.json` and never raises, so the sweep always reaches its end, where
 `SweepTable` (a Hydra callback) gathers the rows into `sweep_results.csv` and `sweep_results.md`, and
-draws the runs' curves side by side in `sweep_curves.png` (with matplotlib).
+draws the runs' curves side by side in `sweep_curves.png` (with matplotlib). A sweep none of whose runs
+succeeded then exits with code 1 (a script or CI job running it sees the failure); one with some runs ok
+exits 0 and its last log line counts the failed ones.
 Cost: each run pays Python and library start-up again (seconds), negligible beside a training run.
 """
 
@@ -62,9 +64,15 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
         return "ok", ""
     if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
         return "out of memory", "killed by SIGKILL (most likely the kernel's out-of-memory killer)"
-    lines = [ln.strip() for ln in re.split(r"[\r\n]+", output) if ln.strip()]
-    # Prefer train.py's own one-line error, then an exception line, then whatever came last.
+    raw = [ln.rstrip() for ln in re.split(r"[\r\n]+", output) if ln.strip()]
+    lines = [ln.strip() for ln in raw]
+    # Prefer train.py's own one-line error, then the last traceback's exception line (the first unindented
+    # line after its frames: Hydra follows it with a hint, and precedes it with "Error executing job ..."),
+    # then an exception-like line, then whatever came last.
     reason = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+    tracebacks = [i for i, ln in enumerate(raw) if ln.startswith("Traceback (most recent call last)")]
+    if tracebacks and not reason:
+        reason = next((ln for ln in raw[tracebacks[-1] + 1:] if not ln[0].isspace()), None)
     reason = reason or next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b", ln)), None)
     reason = reason or (lines[-1] if lines else "")
     reason = reason.removeprefix("error:").strip()
@@ -121,13 +129,15 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
         return str(value)
 
 
-def write_table(sweep_dir: Path) -> list[dict[str, Any]]:
-    """Collect every job's row under `sweep_dir` into `sweep_results.csv` and `sweep_results.md`."""
+def write_table(sweep_dir: Path, since: float | None = None) -> list[dict[str, Any]]:
+    """Collect every job's row under `sweep_dir` into `sweep_results.csv` and `sweep_results.md`; ``since`` (a
+    time.time()): only rows written since then, so an earlier sweep's rows in a reused directory are not counted."""
     def job_number(p: Path) -> tuple[int, str]:
         name = p.parent.name
         return (int(name), name) if name.isdigit() else (1 << 30, name)
 
-    rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{ROW_FILE}"), key=job_number)]
+    found = sorted(sweep_dir.glob(f"*/{ROW_FILE}"), key=job_number)
+    rows = [json.loads(p.read_text()) for p in found if since is None or p.stat().st_mtime >= since]
     with open(sweep_dir / "sweep_results.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([key for key, _, _ in COLUMNS])
@@ -147,14 +157,28 @@ class SweepTable(Callback):
     """Hydra callback: at the end of a multirun, writes the sweep's results table (CSV and Markdown) and
     its curves (PNG)."""
 
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.time() - 1.0  # mtimes may be coarser than time.time()
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_table(sweep_dir)
+        rows = write_table(sweep_dir, since=self.started)
         from megatrain_lightning.plot import plot_sweep
 
         png = plot_sweep(sweep_dir, rows)  # None (with a one-line note) without matplotlib
         if png is not None:
             log.info("sweep: curves in %s", png)
         ok = sum(1 for r in rows if r.get("status") == "ok")
-        log.info("sweep: %d of %d runs ok; table in %s\n%s", ok, len(rows), sweep_dir / "sweep_results.md",
-                 (sweep_dir / "sweep_results.md").read_text())
+        failed = len(rows) - ok
+        table = sweep_dir / "sweep_results.md"
+        if not failed:
+            log.info("sweep: %d of %d runs ok; table in %s\n%s", ok, len(rows), table, table.read_text())
+            return
+        (log.warning if ok else log.error)(
+            "sweep: %d of %d runs ok, %d failed (the status column says why, each run's output.log has the rest); "
+            "table in %s\n%s", ok, len(rows), failed, table, table.read_text())
+        if not ok:  # nothing succeeded: the sweep fails. Hydra's callback loop and its error report catch
+            raise SystemExit(1)  # Exception only, so this ends the process with exit code 1, no traceback

@@ -21,7 +21,9 @@ steps=${3:-20}
 strategies=${4:-megatrain}
 sweep_dir=multirun/scale_sweep_$(date +%Y-%m-%d_%H-%M-%S)
 
+rc=0  # 1 when no run succeeded: the table still says why
 python train.py -m experiment=scale_sweep hardware="$hardware" model="$models" strategy="$strategies" \
-  trainer.max_steps="$steps" hydra.sweep.dir="$sweep_dir"
+  trainer.max_steps="$steps" hydra.sweep.dir="$sweep_dir" || rc=$?
 echo
 cat "$sweep_dir/sweep_results.md"
+exit $rc

@@ -42,3 +42,25 @@ def test_the_plan_cli_prints_its_usage_and_one_line_for_a_bad_override(capsys: p
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert main(["model=qwen2_5_3b", "hardware=h200", "data.batch_size=2"]) == 0
     assert capsys.readouterr().out.startswith("verdict: fits")
+
+
+@pytest.mark.parametrize("overrides, said", [
+    # found by a sweep of bad input (2026-12-07): the plan checked no value against its constructor (a plan printed
+    # for trainer.max_steps=abc), dropped Hydra's "+" hint, and told a user to set data.batch_size=0
+    (["trainer.max_steps=abc"], "error: trainer.max_steps='abc': expected an integer"),
+    (["+strategy.engine.slotz=3"], "error: strategy.engine.slotz: EngineConfig has no parameter 'slotz' (did you mean "
+                                   "strategy.engine.slots?)"),
+    (["model.config.foo=1"], "error: Could not override 'model.config.foo'. To append to your config use "
+                             "+model.config.foo=1"),
+    (["hardware=cpu", "hardware.link_gb_per_s=0"], "error: hardware.link_gb_per_s=0: expected a positive number"),
+    (["trainer.devices=0"], "error: trainer.devices=0: expected a positive number of devices"),
+    (["model=qwen2_5_7b", "hardware=rtx3090", "data.seq_len=131072", "data.batch_size=4"],
+     "hardware=rtx3090 has 23.0 GB for tensors: use data.seq_len=896 at this micro-batch (and"),
+])
+def test_the_plan_cli_checks_values_as_train_py_does(overrides: list[str], said: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from megatrain_lightning.plan.__main__ import main
+
+    assert main(["model=tiny", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err

@@ -30,6 +30,36 @@ def test_measure_hardware_times_the_host_adamw_and_says_it_needs_a_gpu() -> None
             recipe.main(["--name", "here"])
 
 
+
+@pytest.mark.parametrize("flags,missing", [(["--checkpoint", "ckpt"], "--data"), (["--data", "d.jsonl"], "--checkpoint")])
+def test_finetune_recipe_refuses_a_checkpoint_without_data_and_data_without_a_checkpoint(
+        flags: list[str], missing: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """recipes/finetune_local_checkpoint.py: one of --checkpoint and --data alone is an argparse error naming the
+    other (the demo's half stood in for it, silently), before any demo file is made."""
+    recipe = load("finetune_local_checkpoint")
+    monkeypatch.setattr(recipe, "demo_files", lambda where: pytest.fail("the demo was made"))
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(flags)
+    assert stop.value.code == 2
+    assert f"error: {flags[0]} without {missing}: give both --checkpoint DIR and --data FILE.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mine", [True, False])
+def test_finetune_recipe_ends_bad_input_in_one_line_with_exit_code_2(
+        mine: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both flags: the user's files; neither: the demo's. A ConfigError from train() (here: no such checkpoint)
+    or Hydra's (an unknown config) is `error: ...` on stderr and exit code 2, as from train.py (a traceback)."""
+    recipe = load("finetune_local_checkpoint")
+    ckpt = tmp_path / ("mine" if mine else "demo")
+    monkeypatch.setattr(recipe, "demo_files", lambda where: (tmp_path / "demo", tmp_path / "demo.jsonl"))
+    flags = ["--checkpoint", str(ckpt), "--data", str(tmp_path / "mine.jsonl")] if mine else []
+    for overrides, said in [([], f"error: model.pretrained={ckpt} does not exist"),
+                            (["model=llama_9000"], "error: In 'train': Could not find 'model/llama_9000'")]:
+        with pytest.raises(SystemExit) as stop:
+            recipe.main([*flags, f"paths.output_dir={tmp_path / 'run'}", *overrides])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(said) and "Traceback" not in err, err
+
 def _command_lines() -> list[str]:
     """The command line of every process running here."""
     lines = []

@@ -139,6 +139,55 @@ BAD_INPUT = {
     "unknown block class": (["strategy.block_class=Foo"], ["error: block_class='Foo' matches no submodule"]),
     "pretrained is a file": (["model.pretrained=bad.jsonl"], ["error: model.pretrained=bad.jsonl is a file"]),
     "pick_micro_batch not a boolean": (["pick_micro_batch=maybe"], ["error: pick_micro_batch='maybe': expected true or false"]),
+    # found by a sweep of bad input (2026-12-07): a misspelt model.config key was kept and ignored (32 layers for 2);
+    # sizes the model cannot run with, a broken config.json, a zero in a hardware profile, an output directory that
+    # cannot exist, a data vocabulary past the model's and a checkpoint that is not one ended in tracebacks after the
+    # build; data without one batch trained nothing with exit 0; a misspelt monitor failed at the first validation
+    "misspelt model config key": (["+model.config.num_hidden_layer=1"],
+                                  ["error: model.config has keys that neither transformers' LlamaConfig nor the llama "
+                                   "model reads: num_hidden_layer (did you mean num_hidden_layers?)"]),
+    "zero hidden size": (["model.config.hidden_size=0"], ["error: model.config.hidden_size=0: a llama model needs it"]),
+    "kv heads not dividing heads": (["model.config.num_key_value_heads=3"],
+                                    ["error: model.config.num_key_value_heads=3 does not divide num_attention_heads=4"]),
+    "unknown activation": (["+model.config.hidden_act=sliu"], ["error: model.config.hidden_act='sliu' is not an "
+                                                              "activation transformers knows (did you mean silu?)"]),
+    "broken pretrained config": (["model.pretrained=broken_ckpt"],
+                                 ["error: model.pretrained=broken_ckpt: its config.json cannot be read by transformers"]),
+    "zero link bandwidth": (["hardware=cpu", "hardware.link_gb_per_s=0"],
+                            ["error: hardware.link_gb_per_s=0: expected a positive number"]),
+    "zero devices": (["trainer.devices=0"], ["error: trainer.devices=0: expected a positive number of devices"]),
+    "output directory cannot exist": (["paths.output_dir=bad.jsonl/run"],
+                                      ["error: paths.output_dir=bad.jsonl/run cannot be created"]),
+    "data vocabulary past the model's": (["data=synthetic", "data.vocab_size=1000", "hardware=cpu"],
+                                         ["error: data.vocab_size=1000: token ids are drawn below it",
+                                          "set data.vocab_size=259"]),
+    "data without one batch": (["data=synthetic", "data.num_samples=3", "data.batch_size=4", "hardware=cpu"],
+                               ["error: the training data gives no batch: 3 training samples, fewer than one batch of "
+                                "data.batch_size=4", "(data.num_samples)"]),
+    "misspelt checkpoint monitor": (["trainer.callbacks.checkpoint.monitor=val/los"],
+                                    ["error: trainer.callbacks.checkpoint.monitor=val/los: the model logs no such metric "
+                                     "(did you mean val/loss?"]),
+    "NaN in pretrained weights": (["experiment=finetune_jsonl", "model.pretrained=nan_ckpt", "data.path=good.jsonl"],
+                                  ["error: model.pretrained=nan_ckpt: model.layers.1.mlp.down_proj.weight holds 3 NaN",
+                                   "Use an earlier or freshly downloaded copy"]),
+    "device peak far over the device": (["hardware=cpu", "hardware.device_memory_gb=0.5", "data=synthetic",
+                                         "data.batch_size=4096", "data.seq_len=64"],
+                                        ["error: model=tiny at micro-batch 4096 x 64 tokens needs 6.2 GB of device memory "
+                                         "but hardware=cpu has 0.5 GB for tensors: use at most data.batch_size=328"]),
+    "hardware precision misspelt": (["hardware=cpu", "hardware.precision=16-foo"],
+                                    ["error: hardware.precision='16-foo': expected one of Lightning's precisions"]),
+    "zero max operand": (["data.max_operand=0"], ["error: data.max_operand=0: expected a positive integer"]),
+    "jsonl path a directory": (["data=jsonl", "data.path=nan_ckpt"], ["error: data.path=nan_ckpt is a directory, not a "
+                                                                      "file"]),
+    "resume from a plain state dict": (["ckpt_path=weights.pt"],
+                                       ["error: ckpt_path=weights.pt is not the checkpoint of a Lightning training run: "
+                                        "it has no state_dict, optimizer_states, loops (its top-level keys: weight)",
+                                        "model.pretrained="]),
+    "resume from a file that is no checkpoint": (["ckpt_path=bad.jsonl"], ["bad.jsonl: not a torch checkpoint"]),
+    "single device too big for a CPU host": (
+        ["strategy=single_device", "model=qwen2_5_72b", "hardware=cpu"],
+        ["error: model=qwen2_5_72b (72.71 B parameters) needs", "hardware=cpu has 32 GB"],
+    ),
     "too big for host memory": (
         ["model=qwen2_5_72b", "hardware=cpu"],
         ["error: model=qwen2_5_72b (72.71 B parameters) needs", "899.5 GB of host memory", "hardware=cpu has 32 GB"],
@@ -147,6 +196,10 @@ BAD_INPUT = {
 if not torch.cuda.is_available():
     BAD_INPUT["GPU-only baseline on a CPU"] = (
         ["strategy=fsdp_cpu_offload", "hardware=cpu"], ["error: strategy=fsdp_cpu_offload runs only on CUDA GPUs"]
+    )
+    BAD_INPUT["GPU profile without a GPU"] = (
+        ["hardware=rtx3090"], ["error: hardware=rtx3090 is a CUDA GPU profile, but this machine has no CUDA GPU",
+                               "python -m megatrain_lightning.plan hardware=rtx3090"]
     )
 if importlib.util.find_spec("deepspeed") is None:
     BAD_INPUT["deepspeed not installed"] = (
@@ -161,6 +214,19 @@ def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
     cwd = tmp_path_factory.mktemp("bad_input")
     (cwd / "bad.jsonl").write_text('{"query": "q", "response": "a"}\n{"query": "q2", "response": \n')
     (cwd / "unknown.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    (cwd / "broken_ckpt").mkdir()
+    (cwd / "broken_ckpt" / "config.json").write_text('{"model_type": "llama", ')
+    (cwd / "broken_ckpt" / "model.safetensors").write_bytes(b"")
+    torch.save({"weight": torch.zeros(2)}, cwd / "weights.pt")
+    from safetensors.torch import load_file, save_file
+
+    from megatrain_lightning.models.demo_checkpoint import write_demo_checkpoint
+
+    weights = write_demo_checkpoint(cwd / "nan_ckpt", hidden_size=32) / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.down_proj.weight"][0, :3] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    (cwd / "good.jsonl").write_text("".join(f'{{"query": "{a}+1?", "response": "{a + 1}"}}\n' for a in range(200)))
     names = sorted(BAD_INPUT)
     spec = {"cwd": str(cwd), "address_space": ADDRESS_SPACE_LIMIT,
             "cases": {f"case{i}": BAD_INPUT[name][0] for i, name in enumerate(names)}}

@@ -49,6 +49,9 @@ class ArithmeticDataModule(QADataModule):
             tokenizer=tokenizer, batch_size=batch_size, val_batch_size=val_batch_size, max_length=max_length,
             prompt_template="{query}", use_chat_template=False, packing=packing, num_workers=num_workers,
         )
+        if isinstance(max_operand, bool) or not isinstance(max_operand, int) or max_operand < 1:
+            raise ConfigError(f"data.max_operand={max_operand!r}: expected a positive integer (the task's questions are "
+                              "a+b for a, b up to it), e.g. data.max_operand=99")
         n = (max_operand + 1) ** 2
         if not 0 < num_val < n:
             raise ConfigError(f"data.num_val={num_val} must be between 1 and {n - 1} for data.max_operand={max_operand}")

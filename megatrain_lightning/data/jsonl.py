@@ -63,7 +63,7 @@ class JsonSFTDataModule(QADataModule):
         path, val_path = (os.path.expanduser(p) if isinstance(p, str) else p for p in (path, val_path))  # '~/data.jsonl'
         for key, p in (("data.path", path), ("data.val_path", val_path)):
             if p is not None and not os.path.isfile(p):
-                what = "a directory, not a file" if os.path.isdir(p) else "does not exist"
+                what = "is a directory, not a file" if os.path.isdir(p) else "does not exist"
                 raise ConfigError(f"{key}={p} {what} (expected a local .json or .jsonl file)")
         if isinstance(val_size, bool) or not isinstance(val_size, int) or val_size < 0:
             raise ConfigError(f"data.val_size={val_size!r}: expected 0 (no validation) or a positive integer")

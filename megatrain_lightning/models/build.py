@@ -13,8 +13,11 @@ as it materialises it into the host store.
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from transformers import (
 from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.init import attach_weights_source
 from megatrain_lightning.models import expert_routing
-from megatrain_lightning.models.safetensors_source import SafetensorsSource, lazy_load_refusal
+from megatrain_lightning.models.safetensors_source import SafetensorsSource, lazy_load_refusal, refuse_nan
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,16 @@ def hf_config(config: dict[str, Any]) -> PretrainedConfig:
     except Exception as err:  # the config class's own validation (ValueError, huggingface_hub's validators)
         reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
         raise ConfigError(f"model.config ({model_type}) is refused by transformers: {reason[0]}") from err
+    unread = _unread_keys(model_type, params, built)
+    if unread:
+        known = _known_keys(model_type)
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else k
+                 for k in unread]
+        raise ConfigError(
+            f"model.config has keys that neither transformers' {type(built).__name__} nor the {model_type} model "
+            f"reads: {', '.join(hints)}. They would be kept and ignored, training a model other than the one meant: "
+            "fix their spelling, or remove them")
+    _check_sizes(model_type, built)
     vocab = getattr(built, "vocab_size", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(built, key, None)
@@ -55,6 +68,63 @@ def hf_config(config: dict[str, Any]) -> PretrainedConfig:
                 f"model.config.{key}={ids} is outside the vocabulary (model.config.vocab_size={vocab}): the embedding "
                 f"has no row {outside[0]}. Set model.config.{key} below {vocab} (or null), or raise vocab_size")
     return built
+
+
+def _known_keys(model_type: str) -> list[str]:
+    """The keys a model type's config class takes or sets by default."""
+    cls = CONFIG_MAPPING[model_type]
+    known = set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
+    known |= set(inspect.signature(PretrainedConfig.__init__).parameters)
+    try:
+        known |= set(cls().to_dict())
+    except Exception:  # a config class without defaults for everything: its signature says enough
+        pass
+    return sorted(k for k in known if k not in ("self", "kwargs"))
+
+
+def _unread_keys(model_type: str, params: dict[str, Any], built: PretrainedConfig) -> list[str]:
+    """Keys given that the config class does not know and kept as bare attributes (AutoConfig keeps any
+    key), which the model type's modeling code never reads either (as `config.<key>` or `"<key>"`): they can have
+    no effect (a misspelling)."""
+    known = set(_known_keys(model_type))
+    extra = [k for k in params if k not in known and k in vars(built)]
+    if not extra:
+        return []
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    try:
+        source = inspect.getsource(importlib.import_module(f"transformers.models.{module}.modeling_{module}"))
+    except (ImportError, OSError, TypeError):  # no modeling file to read: no grounds to refuse
+        return []
+    return [k for k in extra if not re.search(rf"config\.{re.escape(k)}\b|[\"']{re.escape(k)}[\"']", source)]
+
+
+# sizes a model cannot be built or run with below 1 (where its config has them; num_hidden_layers: CausalLM says
+# what streaming needs)
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "max_position_embeddings")
+
+
+def _check_sizes(model_type: str, built: PretrainedConfig) -> None:
+    """Values transformers takes but the model then fails on, deep in its build or first forward."""
+    from transformers.activations import ACT2FN
+
+    text = built.get_text_config()
+    for key in _POSITIVE:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"model.config.{key}={value}: a {model_type} model needs it to be at least 1")
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(
+            f"model.config.num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: each key/value "
+            f"head serves a whole group of query heads. Set num_key_value_heads to a divisor of {heads}")
+    act = getattr(text, "hidden_act", None)
+    if isinstance(act, str) and act not in ACT2FN:
+        close = difflib.get_close_matches(act, list(ACT2FN), n=1)
+        raise ConfigError(f"model.config.hidden_act={act!r} is not an activation transformers knows"
+                          + (f" (did you mean {close[0]}?)" if close else f"; one of {', '.join(ACT2FN)}"))
 
 
 def pretrained_config(path: str, weights: bool = True) -> PretrainedConfig:
@@ -70,7 +140,13 @@ def pretrained_config(path: str, weights: bool = True) -> PretrainedConfig:
         raise ConfigError(f"model.pretrained={path} has a config.json but no weights (*.safetensors, *.bin, *.pt, "
                           "*.pth): copy the checkpoint's weight files there, or set model.config for a model trained "
                           "from random initialisation")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:  # not JSON, no or an unknown model_type
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.pretrained={path}: its config.json cannot be read by transformers ({first}). Copy "
+                          "config.json again from where the checkpoint came from (a model type this transformers does not know: "
+                          "upgrade transformers)") from None
 
 
 # the files transformers' from_pretrained reads weights from (safetensors, torch pickles, and their indexes)
@@ -134,6 +210,9 @@ def load_pretrained(path: str, attn_implementation: str | None = None) -> PreTra
             "(peak host memory up to about 1.5x the weights, not the store plus one block): %s", path, refusal,
         )
     with torch.device("cpu" if device.type == "meta" else device):
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
         )
+    for name, t in model.state_dict().items():
+        refuse_nan(path, name, t)
+    return model

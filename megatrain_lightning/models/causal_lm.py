@@ -113,6 +113,8 @@ class CausalLM(pl.LightningModule):
     # configure_model builds on the meta device under every strategy (materialised at once where the strategy
     # gives a real device), so MegaTrainStrategy's block-by-block init draws what the default strategy's does
     meta_init_matches_eager = True
+    # what training_step and validation_step log (train.py checks a checkpoint's monitor against them)
+    logged_metrics = ("loss", "val/loss", "val/exact_match")
 
     def __init__(
         self,

@@ -188,11 +188,12 @@ class SafetensorsSource:
                     self._pending.discard(group)
 
     def _read_into(self, key: str, dst: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into ``dst``, at most CHUNK_BYTES at a time."""
+        """Copy one checkpoint tensor into ``dst``, at most CHUNK_BYTES at a time; NaN refused by name."""
         entry = self._entries[key]
         if not entry.shape:
             with safe_open(entry.file, framework="pt") as f:
                 dst.copy_(f.get_tensor(key))
+            refuse_nan(self.path, key, dst)
             return
         rows = entry.shape[0]
         row_bytes = math.prod(entry.shape[1:]) * dst.element_size()
@@ -201,6 +202,17 @@ class SafetensorsSource:
             # A fresh handle per chunk: closing it unmaps the pages just read (see the module docstring).
             with safe_open(entry.file, framework="pt") as f:
                 dst[start : start + step].copy_(f.get_slice(key)[start : start + step])  # bf16 -> fp32 here
+        refuse_nan(self.path, key, dst)
+
+
+def refuse_nan(path: str, name: str, t: torch.Tensor) -> None:
+    """A ConfigError naming a checkpoint tensor that holds NaN: every loss would be NaN from the first step, and
+    training would go on (Lightning does not stop on it). Infinities are left: some models keep -inf in buffers."""
+    if t.is_floating_point() and bool(torch.isnan(t).any()):
+        raise ConfigError(
+            f"model.pretrained={path}: {name} holds {int(torch.isnan(t).sum())} NaN of {t.numel()} values, so every "
+            "loss would be NaN: the checkpoint is damaged or was saved after a run diverged. Use an earlier or "
+            "freshly downloaded copy of it")
 
 
 def _own_state(m: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,11 +14,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import open_dict
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     from ..conf_dir import config_dir
+    from ..cli import check_trainer_values
     from ..errors import ConfigError
-    from ..schema import check_root, check_set
+    from ..hardware import resolve_hardware
+    from ..schema import check_config, check_root, check_set
     from . import format_plan
     from .from_config import planned_run
 
@@ -31,8 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
-        check_root(cfg)  # as train.py: unknown top-level keys, a seed or pick_micro_batch of the wrong type
+        # as train.py: unknown top-level keys, a seed or pick_micro_batch of the wrong type, every value against the
+        # constructor it goes to (the hardware's first: the others read ${hardware.*}), unset keys
+        check_root(cfg)
+        with open_dict(cfg):  # ${hydra:runtime.output_dir} needs a running Hydra app; the plan writes nothing
+            cfg.paths.output_dir = "."
+        check_config(cfg, groups=("hardware",))
+        resolve_hardware(cfg)
+        check_config(cfg, groups=("trainer", "data", "model", "strategy"))
         check_set(cfg, ("trainer", "model", "strategy"), "python -m megatrain_lightning.plan")  # no data is read
+        check_trainer_values(cfg.trainer)
         plan = planned_run(cfg, overrides)  # a mixture of experts: the micro-batch train.py would pick
         print(format_plan(plan))
     except ConfigError as err:
@@ -42,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.full_key} must be set, e.g. python -m megatrain_lightning.plan {err.full_key}=...",
               file=sys.stderr)
         return 2
-    except (OmegaConfBaseException, HydraException, ValueError) as err:  # a bad override: Hydra's own one-line reason
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+    except (OmegaConfBaseException, HydraException, ValueError) as err:  # a bad override: Hydra's own reason
+        key = getattr(err, "full_key", None)  # OmegaConf's errors name the key on a line of their own
+        lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("full_key:")]
+        print(f"error: {key + ': ' if key else ''}{' '.join(lines[:2])}", file=sys.stderr)  # with Hydra's "+" hint
         return 2
     return 0
 

@@ -184,8 +184,9 @@ def device_shortfall(model: str, run: Run, need: float, available: float, hw: Ha
         + (f"set strategy.engine.offload_inputs={offload} (the first {offload} blocks' saved inputs in pinned host "
            "memory), or " if offload is not None else "")
         + (
-            f"use at most data.batch_size={max_mb} at this seq_len, or data.seq_len={max_seq} at this micro-batch "
-            f"(and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"
+            "use " + " or ".join(([f"at most data.batch_size={max_mb} at this seq_len"] if max_mb else [])
+                                 + ([f"data.seq_len={max_seq} at this micro-batch"] if max_seq else []))
+            + " (and trainer.accumulate_grad_batches for more tokens per step), or set model.loss_chunk_tokens"
             if max_mb or max_seq
             else f"even one row does not fit ({lasting_weights(gpu) / GB:.1f} GB are weight slots, gradient slabs "
             f"and resident parameters): choose a device with more memory or fewer strategy.engine.slots"
