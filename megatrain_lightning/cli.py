@@ -150,29 +150,6 @@ def make_output_dir(out_dir: Path) -> None:
                           "to a writable directory") from None
 
 
-def check_trainer_values(node: DictConfig) -> None:
-    """Values of the right type that Lightning would still fail on, deep inside, named with the fix."""
-    def bad(key: str, value: Any, want: str) -> ConfigError:
-        return ConfigError(f"trainer.{key}={value!r}: expected {want}")
-
-    devices = node.get("devices")
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1 and devices != -1:
-        raise bad("devices", devices, "a positive number of devices (or -1 or \"auto\": all of them)")
-    steps = node.get("max_steps", -1)
-    if isinstance(steps, int) and (steps == 0 or steps < -1):
-        raise bad("max_steps", steps, "a positive number of optimizer steps (or -1: by max_epochs)")
-    for key in ("log_every_n_steps", "accumulate_grad_batches"):
-        value = node.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise bad(key, value, "a positive integer")
-    clip = node.get("gradient_clip_val")
-    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip < 0:
-        raise bad("gradient_clip_val", clip, "a positive number (or null: no clipping; Lightning skips values <= 0)")
-    interval = node.get("val_check_interval")
-    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
-        raise bad("val_check_interval", interval, "a positive number of steps (or a fraction of an epoch, <= 1.0)")
-
-
 def build_strategy(node: DictConfig, hw: HardwareProfile, plan: Plan | None) -> Any:
     """The strategy, with MegaTrain's ``engine.pin_memory: null`` decided by the plan's pinned-memory budget."""
     engine = node.get("engine")
@@ -402,7 +379,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from megatrain_lightning.callbacks import RunSummary
     from megatrain_lightning.callbacks.memory import peak_gpu_reserved_bytes, peak_host_rss_bytes
     from megatrain_lightning.callbacks.throughput import ThroughputMonitor
-    from megatrain_lightning.schema import check_config, check_root, check_set
+    from megatrain_lightning.schema import check_config, check_root, check_set, check_trainer_values
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)

@@ -8,12 +8,10 @@ memory sizes with the ones measured on this machine.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric import connector
 from omegaconf import OmegaConf
 
 from . import host_memory
@@ -21,8 +19,10 @@ from .conf_dir import config_dir
 from .errors import ConfigError
 
 GB = 1e9
-# what Lightning's Trainer(precision=...) takes (64, "bf16-mixed", "32", ...)
-_PRECISIONS = tuple(v for arm in typing.get_args(connector._PRECISION_INPUT) for v in typing.get_args(arm))
+# what Lightning's Trainer(precision=...) takes (lightning.fabric.connector._PRECISION_INPUT: the core imports nothing
+# from Lightning)
+_PRECISIONS = ("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+               "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16)
 
 # GPU name fragments → profile file, most specific first.
 _NAME_TO_PROFILE = (("GH200", "gh200"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100_pcie"), ("3090", "rtx3090"))

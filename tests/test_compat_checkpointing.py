@@ -6,8 +6,8 @@ after ``fit``. Three shapes of it:
 
 * timm's ``set_grad_checkpointing(True)``: the ViT's ``forward_features`` runs ``checkpoint_seq(self.blocks,
   x)``, one non-reentrant ``torch.utils.checkpoint`` region per block, called from *outside* the blocks
-  (``test_timm_vit_grad_checkpointing``, when timm imports; ``test_checkpoint_around_each_block`` is the
-  same pattern in plain torch, also reentrant);
+  (tests/test_compat_timm.py: ViT, ConvNeXt and Swin; ``test_checkpoint_around_each_block`` here is the same
+  pattern in plain torch, also reentrant);
 * ``torch.utils.checkpoint`` *inside* a block's forward;
 * Hugging Face ``gradient_checkpointing_enable()`` (``GradientCheckpointingLayer``: each decoder layer
   checkpoints its own call).
@@ -23,59 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 from compat_zoo import CausalLMModule, EngineProbe, MLPBlock, TokenBlocks, assert_blocks_streamed, assert_exact
 from conftest import fit
-from zoo import ZooModule
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-class TimmViT(ZooModule):
-    """A tiny timm ViT (32x32 images, 8x8 patches, 3 blocks of width 32), random labels. SGD with
-    momentum, as test_parity.py does for nn.MultiheadAttention: the key part of the fused qkv bias has an
-    analytically zero gradient, which Adam would turn from rounding noise into lr-sized steps."""
-
-    def __init__(self, grad_checkpointing: bool = True, **kwargs: Any) -> None:
-        kwargs.setdefault("n_train", 12)
-        kwargs.setdefault("scheduler", False)
-        kwargs.setdefault("optimizer", "sgd")
-        kwargs.setdefault("lr", 0.05)
-        super().__init__(**kwargs)
-        import timm
-
-        self.model = timm.create_model(
-            "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=10, depth=3,
-            embed_dim=32, num_heads=2,
-        )
-        self.model.set_grad_checkpointing(grad_checkpointing)
-        g = torch.Generator().manual_seed(5)
-        self.labels = torch.randint(0, 10, (len(self.train_data),), generator=g)
-
-    def make_data(self, n: int, seq_len: int, seed: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, 3, 32, 32, generator=g)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.train_data, self.labels), batch_size=self.hparams.batch_size)
-
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.model(x), y)
-
-
-def test_timm_vit_grad_checkpointing() -> None:
-    """timm's ViT with set_grad_checkpointing(True): its blocks stream, it trains exactly, and
-    ``model.grad_checkpointing`` is still True after fit (today: CheckpointError in the backward)."""
-    pytest.importorskip("timm")
-    probe = EngineProbe()
-    ref = fit(TimmViT, None, max_steps=3)
-    got = fit(TimmViT, "megatrain", max_steps=3, callbacks=[probe])
-    assert probe.block_classes == ["Block"] * 3, probe.block_classes
-    assert_exact(ref, got)
-    assert_blocks_streamed(probe, 3, steps=3)
-    assert got.module.model.grad_checkpointing is True
 
 
 class CheckpointedCalls(TokenBlocks):

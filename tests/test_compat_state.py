@@ -612,3 +612,52 @@ def test_a_block_calling_torch_func_is_refused_by_name(monkeypatch: Any) -> None
     monkeypatch.setattr(InnerGradBlock, "use_func", True)
     refused_in_the_first_forward(InnerGrad, r"block 0 \(InnerGradBlock\) exactly: its forward calls a torch\.func "
                                  r"transform.*torch\.autograd\.grad inside the forward")
+
+
+# ---------------------------------------------------------------------------------------------
+# a copy of the model made during fit (an EMA or SWA model: copy.deepcopy once the strategy has set up)
+# ---------------------------------------------------------------------------------------------
+class CopyEMA(pl.Callback):
+    """An EMA of the whole module, made by ``copy.deepcopy`` in ``on_train_start`` (after the strategy's setup, as
+    timm's ModelEmaV3 in ``on_fit_start``), updated after every batch, and a check of one copied block: zeroed, its
+    branch must compute zeros (its own weights), whatever the original computes."""
+
+    def __init__(self) -> None:
+        self.ema: Any = None
+        self.zeroed_block_out: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ema = copy.deepcopy(pl_module).requires_grad_(False)
+        twin = copy.deepcopy(pl_module.blocks[0])
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.zero_()
+            x = torch.randn(2, DIM)
+            self.zeroed_block_out = float((twin(x) - x).norm())  # the block's branch (it adds its input back)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), pl_module.parameters()):
+                e.mul_(0.5).add_(p.detach().to(e.device), alpha=0.5)
+
+
+def test_a_deep_copy_made_during_fit_is_a_plain_module_of_its_own_weights() -> None:
+    """Found 2026-12-07 (timm's ModelEmaV3 built in on_fit_start): the copy took the strategy's forward pre-hooks,
+    and deepcopy followed them into the engine (TypeError: cannot pickle '_queue.SimpleQueue'); and a copied
+    streamed block kept the original's forward, so it computed with the original's weights (a zeroed copy's
+    branch was not 0). Now the copy is a plain module: the EMA computes what the default strategy's computes."""
+    emas: list[CopyEMA] = []
+
+    def callbacks() -> list[pl.Callback]:
+        emas.append(CopyEMA())
+        return [emas[-1]]
+
+    ref = fit(TokenBlocks, None, callbacks=callbacks(), max_steps=4)
+    got = fit(TokenBlocks, "megatrain", callbacks=callbacks(), max_steps=4)
+    assert_exact(ref, got)
+    assert emas[0].zeroed_block_out == 0.0 and emas[1].zeroed_block_out == 0.0
+    compare_states(emas[0].ema.state_dict(), emas[1].ema.state_dict(), what="EMA state_dict")
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_out, got_out = (e.ema.eval().head(e.ema.trunk(x)) for e in emas)
+    torch.testing.assert_close(got_out, ref_out, rtol=0, atol=1e-6)

@@ -210,3 +210,16 @@ def test_engine_config_in_python_refuses_values_of_the_wrong_type(kwargs: dict, 
 
     with pytest.raises(ValueError, match="EngineConfig: " + re.escape(message)):
         EngineConfig(**kwargs)
+
+
+def test_hardware_precisions_are_lightnings() -> None:
+    """HardwareProfile checks hardware.precision against its own copy of what Lightning's Trainer takes (the core
+    imports nothing from Lightning): the two stay the same."""
+    import typing
+
+    from lightning.fabric import connector
+
+    from megatrain_lightning.hardware import _PRECISIONS
+
+    lightning = {v for arm in typing.get_args(connector._PRECISION_INPUT) for v in typing.get_args(arm)}
+    assert set(_PRECISIONS) == lightning

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from . import attached
 from .phase import StepState
 from .stats import EngineStats
 from .store import FlatStore
@@ -126,7 +127,7 @@ class ResidentParts:
         self._names = {id(p): n for n, p in root.named_parameters()}
         # Any module owning a resident parameter pulls its part onto the device when it runs.
         self._owned: dict[int, list[ResidentPart]] = self._owners(root, blocks)
-        self._hooks = [m.register_forward_pre_hook(self._pre_hook) for m in self._owner_modules]
+        self._hooks = [m.register_forward_pre_hook(attached.hook(self._pre_hook)) for m in self._owner_modules]
         if self.after is not None:  # a gradient after the early send would be lost: refuse it loudly
             self._hooks += [p.register_post_accumulate_grad_hook(self._after_grad_landed)
                             for p in self.after.store.params if p.requires_grad]

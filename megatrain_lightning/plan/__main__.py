@@ -18,10 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     from ..conf_dir import config_dir
-    from ..cli import check_trainer_values
     from ..errors import ConfigError
     from ..hardware import resolve_hardware
-    from ..schema import check_config, check_root, check_set
+    from ..schema import check_config, check_root, check_set, check_trainer_values
     from . import format_plan
     from .from_config import planned_run
 

@@ -1,0 +1,51 @@
+"""What the engine attaches to the user's modules (a block's ``forward``, an experts module's, forward pre-hooks), as
+a copy of those modules sees it.
+
+``copy.deepcopy`` of a module during fit (an EMA or SWA model: timm's ``ModelEmaV3``, Lightning's
+``StochasticWeightAveraging``) and pickle copy what is in its ``__dict__``. A closure would be shared by the copy, so
+the copy would run the engine on the original's weights (silently wrong), and a bound hook would copy the engine itself
+(a crash on its locks and queues). Each attachment is an :class:`Attached` instead: it runs the engine's callable, and
+a copy of it is what the copy of the module should have: its class's own forward, bound to the copy, or no hook. A
+copy is then a plain module, as under the default strategy.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from torch import nn
+
+
+class Attached:
+    """``call`` on the original; ``copy_as`` (deep-copied along with the module holding it) on a copy."""
+
+    __slots__ = ("call", "copy_as")
+
+    def __init__(self, call: Callable[..., Any], copy_as: Any) -> None:
+        self.call, self.copy_as = call, copy_as
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Callable[[Any], Any], tuple[Any]]:
+        return _as_is, (self.copy_as,)
+
+
+def forward_of(module: nn.Module, call: Callable[..., Any], held: Any = None) -> Attached:
+    """``call`` as ``module``'s instance forward; a copy gets ``held`` (the instance forward it replaced) or its
+    class's own forward bound to the copy."""
+    return Attached(call, held if held is not None else functools.partial(type(module).forward, module))
+
+
+def hook(call: Callable[..., Any]) -> Attached:
+    """``call`` as a hook; a copy of the module gets a hook that does nothing."""
+    return Attached(call, _no_hook)
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+def _no_hook(*args: Any) -> None:
+    return None
