@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from megatrain_lightning import cli
 from megatrain_lightning.data import ByteTokenizer
 from megatrain_lightning.data.sft_batch import IGNORE_INDEX
+from megatrain_lightning.errors import ConfigError
 from megatrain_lightning.models import CausalLM, ModelShape
 from megatrain_lightning.models.build import hf_config, meta_model
 from megatrain_lightning.models.demo_checkpoint import write_demo_checkpoint
@@ -245,3 +246,18 @@ def test_settings_torch_would_refuse_later_are_refused_by_key(override: dict, na
 
     with pytest.raises(ConfigError, match=re.escape(named)):
         CausalLM(**{"config": TINY, **override})
+
+
+def test_a_model_config_key_nothing_reads_is_refused_with_the_likely_key() -> None:
+    """AutoConfig keeps any key as an attribute: ``num_hidden_layer=2`` built the default 32 layers (found
+    2026-12-07). A key neither the config class takes nor the model's code (or what every model inherits) reads is
+    refused, naming the close key; keys the model's code reads though its config class does not take them (Qwen3-MoE's
+    head_dim) and keys the shared model code reads (gradient_checkpointing) are kept."""
+    with pytest.raises(ConfigError, match=re.escape("neither transformers' LlamaConfig nor the llama model reads: "
+                                                    "num_hidden_layer (did you mean num_hidden_layers?)")):
+        hf_config({**TINY, "num_hidden_layer": 1})
+    with pytest.raises(ConfigError, match=re.escape("reads: layers. They would be kept and ignored")):
+        hf_config({**TINY, "layers": 1})
+    assert hf_config({"model_type": "qwen3_moe", "head_dim": 8}).head_dim == 8
+    assert hf_config({**TINY, "gradient_checkpointing": False}).num_hidden_layers == TINY["num_hidden_layers"]
+    assert hf_config({**TINY, "rope_theta": 5e5}).rope_parameters["rope_theta"] == 5e5  # taken into rope_parameters

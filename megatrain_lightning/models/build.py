@@ -13,6 +13,7 @@ as it materialises it into the host store.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import logging
@@ -93,11 +94,17 @@ def _unread_keys(model_type: str, params: dict[str, Any], built: PretrainedConfi
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     module = model_type_to_module_name(model_type)
-    try:
-        source = inspect.getsource(importlib.import_module(f"transformers.models.{module}.modeling_{module}"))
+    try:  # the model's own code, and what every model and config inherits (pruned_heads, tie_encoder_decoder, ...)
+        source = "\n".join(_source(name) for name in (f"transformers.models.{module}.modeling_{module}",
+                                                       "transformers.modeling_utils", "transformers.configuration_utils"))
     except (ImportError, OSError, TypeError):  # no modeling file to read: no grounds to refuse
         return []
     return [k for k in extra if not re.search(rf"config\.{re.escape(k)}\b|[\"']{re.escape(k)}[\"']", source)]
+
+
+@functools.lru_cache(maxsize=None)
+def _source(module: str) -> str:
+    return inspect.getsource(importlib.import_module(module))
 
 
 # sizes a model cannot be built or run with below 1 (where its config has them; num_hidden_layers: CausalLM says
