@@ -397,3 +397,26 @@ def test_rows_longer_than_the_models_positions_are_warned_of(caplog: pytest.LogC
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "data.max_length=128 is longer than the model's max_position_embeddings=64"]
     assert "data.max_length=64, or model.config.max_position_embeddings=128" in caplog.records[0].getMessage()
+
+
+def test_a_cuda_device_past_the_machines_is_refused_by_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with one GPU (stood in for here), strategy.device=cuda:5 and hardware.device=cuda:3 are refused
+    naming the key and the devices there are (found 2026-12-07: Hydra's generic "Error in call to target")."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from megatrain_lightning.cli import check_strategy_runs_here
+    from megatrain_lightning.errors import ConfigError
+    from megatrain_lightning.hardware import load_profile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    h200 = load_profile("h200")
+    node = OmegaConf.create({"_target_": "megatrain_lightning.MegaTrainStrategy", "device": "cuda:5"})
+    with pytest.raises(ConfigError, match=r"^strategy.device=cuda:5: this machine has 1 CUDA device \(cuda:0\)$"):
+        check_strategy_runs_here(node, "megatrain", h200)
+    node.device = None
+    with pytest.raises(ConfigError, match=r"^hardware.device=cuda:3: this machine has 1 CUDA device"):
+        check_strategy_runs_here(node, "megatrain", dataclasses.replace(h200, device="cuda:3"))
+    check_strategy_runs_here(node, "megatrain", h200)  # cuda:0 is there
