@@ -38,6 +38,7 @@ from .data_parallel import first_refusal, init_process_group, make_replicas
 from .errors import CheckpointError, ConfigError
 from .hardware import detect
 from .engine import StreamingEngine
+from .attached import hook
 from .engine.shared import tmpfs_room
 from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
@@ -332,8 +333,9 @@ class MegaTrainStrategy(ParallelStrategy):
         self._hosts_bound = True  # from here on, optimizers set (again) are bound as they come (the setter)
         self.setup_precision_plugin()  # re-wraps the optimizers (through the setter)
         chain_zero_grad(module, self.engine.zero_grad)
-        # a load_state_dict from anywhere (a callback, the user) writes the masters: device copies follow
-        self._hooks = [module.register_load_state_dict_post_hook(lambda *_: self._weights_written())]
+        # a load_state_dict from anywhere (a callback, the user) writes the masters: device copies follow (a copy of
+        # the module, deepcopy or pickle, gets no hook: attached.py)
+        self._hooks = [module.register_load_state_dict_post_hook(hook(lambda *_: self._weights_written()))]
         # whether code other than the engine may write the weights between steps (then copies are refreshed)
         self._outside_writers = writers_between_steps(module, trainer)
         module._device = self.root_device  # LightningModule.device reports where the batches go

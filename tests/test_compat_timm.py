@@ -21,7 +21,7 @@ step, and that the config really has the feature it is there for (a stochastic b
 * ``ModelEmaV3`` built in ``on_fit_start`` too, as timm's docs place it (after the model is placed): exact. It
   failed until 2026-12-07: ``copy.deepcopy`` of the model during fit copied the strategy's forward pre-hooks into
   its engine (``TypeError: cannot pickle '_queue.SimpleQueue'``), and a streamed block copied during fit kept the
-  original's forward, computing with the original's weights (``megatrain_lightning/engine/attached.py``).
+  original's forward, computing with the original's weights (``megatrain_lightning/attached.py``).
 
 timm is not in the ``test`` extra: every release imports torchvision at import time (``timm.layers``,
 ``timm.utils`` and ``timm.data``: 1.0.9 to 1.0.31 alike), and torchvision's PyPI wheels are built against the

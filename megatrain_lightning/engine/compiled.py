@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from . import side_outputs
-from .attached import forward_of
+from ..attached import method_of
 from .selective import saving_matmuls
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,8 @@ class CompiledBlocks:
         self._experts: list[tuple[torch.nn.Module, Any]] = []  # (module, the forward it held on the instance)
         for i in sorted(self.around_experts):
             for experts in experts_of(blocks[i]):
-                held = experts.__dict__.get("forward")
-                self._experts.append((experts, held))
-                experts.forward = forward_of(experts, _outside_graphs(experts, experts.forward), held)  # type: ignore
+                self._experts.append((experts, experts.__dict__.get("forward")))
+                experts.forward = method_of(experts, "forward", _outside_graphs(experts, experts.forward))  # type: ignore
         # by (class function, matmuls_only, around experts): one class can hold blocks of both kinds (Qwen3-MoE's
         # dense mlp_only_layers), whose kept blocks compile differently
         self._compiled: dict[tuple[Callable[..., Any], bool, bool], Callable[..., Any]] = {}

@@ -28,7 +28,7 @@ from torch import nn
 from .. import host_cores, host_memory
 from ..config import EngineConfig, grad_buffers_for
 from . import params as _params, placement as _placement
-from .attached import forward_of
+from ..attached import method_of
 from .block_call import run_bound, streamed_forward
 from .compiled import CompiledBlocks, compiles_by_default
 from .device_memory import StepMeter
@@ -140,8 +140,8 @@ class StreamingEngine:
                                        self.checked_blocks, blocks, auto)
         self.outside = _params.OutsideUse(self.state, self.stores, self.blocks, self.replicas.parallel)
         self.original_forwards: dict[int, Callable[..., Any]] = {i: type(b).forward for i, b in enumerate(self.blocks)}
-        for i, block in enumerate(self.blocks):  # a copy of the block (deepcopy) gets its class's forward: attached.py
-            block.forward = forward_of(block, streamed_forward(self, i, block, type(block).forward))  # type: ignore
+        for i, block in enumerate(self.blocks):  # a copy of the block (deepcopy) gets its class's forward: ../attached.py
+            block.forward = method_of(block, "forward", streamed_forward(self, i, block, type(block).forward))  # type: ignore
 
     def place(self, config: EngineConfig) -> None:
         """Between steps, the placement fields of ``config`` from now on (``placement.replace``: a sync point)."""

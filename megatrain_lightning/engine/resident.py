@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import attached
+from .. import attached
 from .phase import StepState
 from .stats import EngineStats
 from .store import FlatStore

@@ -28,6 +28,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ..attached import method_of
 from ..engine.store import FlatStore
 from . import kernels
 from .adam import AdamHyper, Piece, step_fp32
@@ -508,11 +509,12 @@ def _without_pre_hooks(opt: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def chain_zero_grad(owner: Any, callback: Callable[[bool], None]) -> None:
-    """Wrap this instance's ``zero_grad`` (an optimizer's or a module's) so ``callback(set_to_none)`` runs first."""
+    """Wrap this instance's ``zero_grad`` (an optimizer's or a module's) so ``callback(set_to_none)`` runs first. A
+    copy of ``owner`` (deepcopy, pickle) gets the ``zero_grad`` it had before: its own (``attached.py``)."""
     original = owner.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         callback(set_to_none)
         original(set_to_none=set_to_none)
 
-    owner.zero_grad = zero_grad
+    owner.zero_grad = method_of(owner, "zero_grad", zero_grad)

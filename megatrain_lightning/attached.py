@@ -1,5 +1,5 @@
-"""What the engine attaches to the user's modules (a block's ``forward``, an experts module's, forward pre-hooks), as
-a copy of those modules sees it.
+"""What the package attaches to the user's modules (a block's ``forward``, an experts module's, ``zero_grad``, forward
+pre-hooks, a load_state_dict hook), as a copy of those modules sees it.
 
 ``copy.deepcopy`` of a module during fit (an EMA or SWA model: timm's ``ModelEmaV3``, Lightning's
 ``StochasticWeightAveraging``) and pickle copy what is in its ``__dict__``. A closure would be shared by the copy, so
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable
-
-from torch import nn
 
 
 class Attached:
@@ -32,10 +30,12 @@ class Attached:
         return _as_is, (self.copy_as,)
 
 
-def forward_of(module: nn.Module, call: Callable[..., Any], held: Any = None) -> Attached:
-    """``call`` as ``module``'s instance forward; a copy gets ``held`` (the instance forward it replaced) or its
-    class's own forward bound to the copy."""
-    return Attached(call, held if held is not None else functools.partial(type(module).forward, module))
+def method_of(owner: Any, name: str, call: Callable[..., Any]) -> Attached:
+    """``call`` as ``owner``'s instance attribute ``name``, in place of a method (a module's ``forward``, its
+    ``zero_grad``); a copy gets what the instance had before: its own instance attribute, or the class's method bound
+    to the copy. Call before setting it."""
+    held = owner.__dict__.get(name)
+    return Attached(call, held if held is not None else functools.partial(getattr(type(owner), name), owner))
 
 
 def hook(call: Callable[..., Any]) -> Attached:
