@@ -109,7 +109,7 @@ def check_strategy_runs_here(strategy_node: DictConfig, name: str, hw: HardwareP
             f"plan for that GPU without one, python -m megatrain_lightning.plan hardware={hw.name} ..."
         )
     device = strategy_node.get("device")
-    for key, value in (("hardware.device", hw.device), (f"strategy.device", device)):
+    for key, value in (("hardware.device", hw.device), ("strategy.device", device)):
         index = str(value).partition(":")[2] if value is not None and str(value).startswith("cuda:") else ""
         if index.isdigit() and int(index) >= count:
             raise ConfigError(f"{key}={value}: this machine has {count} CUDA device{'s' * (count > 1)} "
@@ -293,7 +293,8 @@ def check_gives_batches(data_node: DictConfig, data: Any) -> None:
     loader = data.train_dataloader()
     if not hasattr(loader, "__len__") or len(loader):
         return
-    rows = len(loader.dataset) if hasattr(loader.dataset, "__len__") else "too few"
+    dataset = getattr(loader, "dataset", None)
+    rows = len(dataset) if hasattr(dataset, "__len__") else "too few"
     raise ConfigError(
         f"the training data gives no batch: {rows} training samples, fewer than one batch of data.batch_size="
         f"{data_node.get('batch_size')}. Lower data.batch_size, or give more data"

@@ -79,8 +79,9 @@ class HardwareProfile:
         if self.accelerator not in ("cuda", "cpu"):
             raise ConfigError(f"hardware.accelerator={self.accelerator!r}: expected cuda or cpu")
         if not str(self.device).startswith(self.accelerator):
+            fix = "cuda:0" if self.accelerator == "cuda" else "cpu"
             raise ConfigError(f"hardware.device={self.device!r} is not a {self.accelerator} device (hardware."
-                              f"accelerator={self.accelerator}): set it to {'cuda:0' if self.accelerator == 'cuda' else 'cpu'}")
+                              f"accelerator={self.accelerator}): set it to {fix}")
         if self.precision not in _PRECISIONS:
             raise ConfigError(f"hardware.precision={self.precision!r}: expected one of Lightning's precisions "
                               f"({', '.join(str(p) for p in _PRECISIONS if isinstance(p, str) and '-' in p)})")

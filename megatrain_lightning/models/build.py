@@ -95,8 +95,9 @@ def _unread_keys(model_type: str, params: dict[str, Any], built: PretrainedConfi
 
     module = model_type_to_module_name(model_type)
     try:  # the model's own code, and what every model and config inherits (pruned_heads, tie_encoder_decoder, ...)
-        source = "\n".join(_source(name) for name in (f"transformers.models.{module}.modeling_{module}",
-                                                       "transformers.modeling_utils", "transformers.configuration_utils"))
+        source = "\n".join(_source(name) for name in (
+            f"transformers.models.{module}.modeling_{module}", "transformers.modeling_utils",
+            "transformers.configuration_utils"))
     except (ImportError, OSError, TypeError):  # no modeling file to read: no grounds to refuse
         return []
     return [k for k in extra if not re.search(rf"config\.{re.escape(k)}\b|[\"']{re.escape(k)}[\"']", source)]
