@@ -9,6 +9,7 @@ switched off in calls with grad: the recompute must not append to it a second ti
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 import weakref
@@ -45,7 +46,7 @@ def streamed_forward(engine: Any, index: int, block: nn.Module, original: Callab
                 "a call with grad: streamed blocks do not fill it in training (the backward's recompute would append "
                 "to it a second time), so the model's past_key_values come back empty. Pass use_cache=False (or set "
                 "config.use_cache = False) to train without one; calls without grad (generate()) fill it as usual.",
-                stacklevel=2)
+                stacklevel=_caller_level())
         refuse_hidden_grad_tensors(index, block, args, kwargs)
         state.forward_call(index)  # the call order predicts the next micro-batch's prefetches
         spec = CallSpec(args, kwargs)
@@ -134,6 +135,16 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 
 _told_of_cache: "weakref.WeakSet[Any]" = weakref.WeakSet()  # engines whose run was warned of a dropped KV cache
+_OWN_FILES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch's, this package's
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning from a block's forward that names the code calling the block (the model's),
+    past this package's frames and torch's module call machinery."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def no_kv_cache(args: tuple, kwargs: dict, index: int, block: nn.Module) -> tuple[tuple, bool]:
