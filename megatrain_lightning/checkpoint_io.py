@@ -205,11 +205,7 @@ def checkpoint_keys(path: _PATH) -> list[str] | None:
             else:
                 raise _not_a_checkpoint(src)
         else:
-            with open(src, "rb") as f:
-                magic = f.read(4)
-            if magic != b"PK\x03\x04":
-                if magic[:1] != b"\x80":
-                    raise CheckpointError(f"{src}: not a torch checkpoint (neither a zip nor a pickle); {_WHAT_TO_DO}")
+            if not _is_zip(src):
                 return None
             top = _torch_load(src, src, "cpu", True, mmap=True)
     except _WeightsOnlyRefused:
@@ -241,11 +237,7 @@ def _save_file(checkpoint: dict[str, Any], tmp: Path) -> None:
 def _verify_torch_file(path: Path) -> None:
     """Check every entry of a ``torch.save`` zip against the CRC32 written with it (``torch.load``
     does not), streaming. A pre-1.6 (non-zip) torch file has none and is read as it is."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        if magic[:1] != b"\x80":  # a legacy torch file is a pickle (protocol 2+)
-            raise CheckpointError(f"{path}: not a torch checkpoint (neither a zip nor a pickle); {_WHAT_TO_DO}")
+    if not _is_zip(path):
         return
     try:
         with zipfile.ZipFile(path) as z:
@@ -259,6 +251,16 @@ def _verify_torch_file(path: Path) -> None:
                         pass
     except (zipfile.BadZipFile, EOFError, OSError) as err:
         raise CheckpointError(f"{path}: damaged or truncated ({err}); {_WHAT_TO_DO}") from None
+
+
+def _is_zip(path: Path) -> bool:
+    """Whether a torch file is a zip (torch >= 1.6); False for a legacy one, a pickle (protocol 2+); anything else
+    refused by name."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04" and magic[:1] != b"\x80":
+        raise CheckpointError(f"{path}: not a torch checkpoint (neither a zip nor a pickle); {_WHAT_TO_DO}")
+    return magic == b"PK\x03\x04"
 
 
 class _WeightsOnlyRefused(CheckpointError, pickle.UnpicklingError):
