@@ -136,13 +136,15 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 _told_of_cache: "weakref.WeakSet[Any]" = weakref.WeakSet()  # engines whose run was warned of a dropped KV cache
 _OWN_FILES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch's, this package's
+_LAYER_CALL = os.path.join("transformers", "modeling_layers.py")  # GradientCheckpointingLayer.__call__ (5.17 has one)
 
 
 def _caller_level() -> int:
     """The ``stacklevel`` of a warning from a block's forward that names the code calling the block (the model's),
-    past this package's frames and torch's module call machinery."""
+    past this package's frames, torch's module call machinery and transformers' layer ``__call__``."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+    while frame is not None and (frame.f_code.co_filename.startswith(_OWN_FILES)
+                                 or frame.f_code.co_filename.endswith(_LAYER_CALL)):
         frame, level = frame.f_back, level + 1
     return level
 
