@@ -99,10 +99,17 @@ def test_a_real_multirun_whose_every_run_is_refused_exits_1_with_the_reason_in_i
     """`python train.py -m ...` whose runs all fail (here one run, refused: it cannot fit) exits 1 after its
     table and its one-line summary (it exited 0, as if the sweep had worked); the status says why, no traceback."""
     sweep_dir = tmp_path / "sweep"
+    (tmp_path / "user_callback.py").write_text(  # a user's own Hydra callback: it still runs at the multirun's end
+        "from pathlib import Path\nfrom hydra.experimental.callback import Callback\n\n"
+        "class Done(Callback):\n    def on_multirun_end(self, config, **kwargs):\n"
+        "        Path('user_callback_ran').write_text('yes')\n")
     proc = subprocess.run([sys.executable, str(TRAIN), "-m", "hardware=cpu", "hardware.host_memory_gb=1e-6",
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           f"hydra.sweep.dir={sweep_dir}", "+hydra.callbacks.mine._target_=user_callback.Done"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 1, shown[-4000:]
+    assert (tmp_path / "user_callback_ran").read_text() == "yes"  # Hydra ends callbacks in reverse: it ran first
     assert "sweep: 0 of 1 runs ok, 1 failed (the status column says why" in shown
     assert f"table in {sweep_dir / 'sweep_results.md'}" in shown and "Traceback" not in shown
     (refusal,) = [ln for ln in (sweep_dir / "0" / "output.log").read_text().splitlines() if ln.startswith("error: ")]
