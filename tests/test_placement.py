@@ -11,11 +11,8 @@ the planner CLI prints and ``train.py`` logs (the strategy itself chooses from i
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
-from omegaconf import OmegaConf
 
 from megatrain_lightning.config import STREAMING, EngineConfig
 from megatrain_lightning.plan import resolve
@@ -129,13 +126,14 @@ def test_train_sets_the_offload_the_streaming_placement_needs() -> None:
     assert all(cfg.strategy.engine[k] is None for k in OPEN if k != "offload_inputs")
 
 
-def test_the_planner_cli_prints_the_same_choice() -> None:
-    done = subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", "model=qwen2_5_3b", "hardware=h200_126g",
-                           "data.batch_size=8"], capture_output=True, text=True, check=True)
+def test_the_planner_cli_prints_the_same_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatrain_lightning.plan.__main__ import main  # python -m megatrain_lightning.plan, in this process
+
+    assert main(["model=qwen2_5_3b", "hardware=h200_126g", "data.batch_size=8"]) == 0
+    printed = capsys.readouterr().out
     shape, work, hw = _setting("model=qwen2_5_3b", "data.batch_size=8", "hardware=h200_126g")
     chosen = choose_placement(shape, work, EngineConfig(**OPEN), hw)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("placement the planner predicts"))
+    line = next(x for x in printed.splitlines() if x.startswith("placement the planner predicts"))
     assert f"keep_activations={chosen.keep_activations}," in line and f"cache_weights={chosen.cache_weights}," in line
-    explicit = subprocess.run([sys.executable, "-m", "megatrain_lightning.plan", "experiment=bench_7b", "hardware=h200_126g",
-                               "strategy.engine.offload_inputs=false"], capture_output=True, text=True, check=True)
-    assert "placement the planner predicts" not in explicit.stdout  # every field set: nothing chosen
+    assert main(["experiment=bench_7b", "hardware=h200_126g", "strategy.engine.offload_inputs=false"]) == 0
+    assert "placement the planner predicts" not in capsys.readouterr().out  # every field set: nothing chosen
