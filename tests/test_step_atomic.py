@@ -26,7 +26,8 @@ from megatrain_lightning.engine import StreamingEngine
 from megatrain_lightning.errors import CheckpointError
 from zoo import TinyLlama
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# one worker under -n 2 (xdist): the last tests read what the earlier ones recorded (OUTCOMES)
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"), pytest.mark.xdist_group("step_atomic")]
 
 STEP = 2  # the faulted step (0-based): two clean steps before it, the last of the first epoch
 # 3 blocks, an untied head (two resident parts); epochs of STEP + 1 batches, so that a checkpoint written at

@@ -1,6 +1,7 @@
 #!/bin/bash
-# session 35: session 29's call with each run capped at CAP seconds (default 115) so both fit a short lease.
-# the GPU at ~130 of 149.5 GB): session 28's PART=h200 (the pick that models routed experts, nothing set but
+# session 35: session 29's call (its header below) with each bench run capped at CAP seconds (default 115) so
+# that both runs fit a lease of about 230 s. Session 29's header: issue 18 on the H200 (asked with needs_h200: its
+# GPT-OSS pick plans the GPU at ~130 of 149.5 GB): session 28's PART=h200 (the pick that models routed experts, nothing set but
 # hardware=auto, steps 4-7 timed, step 8 profiled with the host AdamW's busy time): GPT-OSS-20B cut to 7 layers,
 # Qwen3-30B-A3B cut to 10; then, BUDGET left, the auto-placement GPU tests (by_planner's accept=, not run on a GPU).
 # Each run's output.log and metrics.csv are copied flat to $OUT as soon as it ends.
