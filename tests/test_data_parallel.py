@@ -77,7 +77,6 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run(tmp_path_factory.mktemp("dp") / "one.pt", 1, 1, "--steps", "4")
 
 
-@pytest.mark.xdist_group("one_rank")  # the one-rank run once (under -n 2)
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ranks_train_exactly_like_one(ranks: int, one_rank: dict, tmp_path: Path) -> None:
     got = run(tmp_path / "dp.pt", ranks, 1, "--steps", "4")
@@ -86,7 +85,6 @@ def test_ranks_train_exactly_like_one(ranks: int, one_rank: dict, tmp_path: Path
     assert any(not torch.equal(one_rank["state"][k], got["state"][k]) for k in got["state"]) or ranks == 1
 
 
-@pytest.mark.xdist_group("one_rank")
 def test_two_simulated_nodes_of_two_ranks(one_rank: dict, tmp_path: Path) -> None:
     """Four processes, two per "node": each node has its own shared store, updated by its own owners."""
     got = run(tmp_path / "nodes.pt", 2, 2, "--steps", "4")

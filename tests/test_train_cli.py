@@ -249,7 +249,6 @@ def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
     return results
 
 
-@pytest.mark.xdist_group("bad_input_runs")  # one worker runs the fixture's 40 s of cases (under -n 2)
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_bad_input_gives_one_clear_message_and_nonzero_exit(case: str, bad_input_runs: dict) -> None:
     proc, _ = bad_input_runs[case]
@@ -264,7 +263,6 @@ def test_bad_input_gives_one_clear_message_and_nonzero_exit(case: str, bad_input
         assert all(fragment in errors[0] for fragment in BAD_INPUT[case][1] if fragment.startswith("error: "))
 
 
-@pytest.mark.xdist_group("bad_input_runs")
 def test_too_big_model_is_refused_before_allocation(bad_input_runs: dict) -> None:
     """72.7 B parameters are 290 GB in fp32; the run had 16 GiB of address space and still refused
     with the fit check's message (not a MemoryError), so it allocated nothing of the model."""
