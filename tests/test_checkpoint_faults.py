@@ -274,15 +274,19 @@ def megatrain_with_io(**io: Any) -> Any:
 
 def _kill_trials(tmp_path: Path, trials: int, target: str) -> Counter:
     """`trials` children in one directory, each killed at a random moment inside its k-th save (or
-    removal), k in 1..3; then the chain's last resume."""
+    removal), k in 1..3; then the chain's last resume. A kill can land just past a short operation (a removal takes
+    ~10 ms; a busy machine, the suite's other worker, delays the kill): up to `trials` more children are killed until
+    half the kills landed inside one."""
     begin, end = (b"S", b"s") if target == "save" else (b"R", b"r")
-    max_steps = 4 * trials + 4
+    max_steps = 4 * 2 * trials + 4
     ref = _reference(max_steps)
     rng = random.Random(1234 + trials)
     d = tmp_path / "ckpts"
     stats: Counter = Counter()
     durations: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
-    for i in range(trials):
+    for i in range(2 * trials):
+        if i >= trials and stats[f"kills inside a {target}"] >= trials // 2:
+            break
         fmt = "directory" if target == "remove" or i % 2 else "file"
         seen = durations[fmt]
         mean = sum(seen) / len(seen) if seen else (0.005 if target == "save" else 0.0015)
@@ -328,7 +332,7 @@ KILL_TRIALS = [10, pytest.param(50, marks=[pytest.mark.slow, pytest.mark.skipif(
 def test_kill_during_save(tmp_path: Path, trials: int) -> None:
     stats = _kill_trials(tmp_path, trials, "save")
     print(f"\nkill -9 during save, {trials} trials: {dict(stats)}")
-    assert stats["kills"] == trials
+    assert trials <= stats["kills"] <= 2 * trials
     assert stats["kills inside a save"] >= trials // 2, "too few kills landed inside a save to say anything"
 
 
@@ -336,7 +340,7 @@ def test_kill_during_save(tmp_path: Path, trials: int) -> None:
 def test_kill_during_remove(tmp_path: Path, trials: int) -> None:
     stats = _kill_trials(tmp_path, trials, "remove")
     print(f"\nkill -9 during remove, {trials} trials: {dict(stats)}")
-    assert stats["kills"] == trials
+    assert trials <= stats["kills"] <= 2 * trials
     assert stats["kills inside a remove"] >= trials // 2, "too few kills landed inside a removal to say anything"
 
 
