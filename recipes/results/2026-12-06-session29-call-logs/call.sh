@@ -3,7 +3,8 @@
 # the GPU at ~130 of 149.5 GB): session 28's PART=h200 (the pick that models routed experts, nothing set but
 # hardware=auto, steps 4-7 timed, step 8 profiled with the host AdamW's busy time): GPT-OSS-20B cut to 7 layers,
 # Qwen3-30B-A3B cut to 10; then, BUDGET left, the auto-placement GPU tests (by_planner's accept=, not run on a GPU).
-# Each run's output.log and metrics.csv are copied flat to $OUT as soon as it ends.
+# Each run's output.log and metrics.csv are copied flat to $OUT as soon as it ends. CAP (session 35): each run's
+# cap in seconds (default 200 and 180), so that both fit a short lease.
 set -u
 B=${BUDGET:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v "already exists" | tail -1
@@ -26,7 +27,7 @@ bench() {  # name, seconds at most, overrides...
   done
   tail -1 $OUT/$name.bench.log | cut -c1-600
 }
-bench gpt_oss_7_picked 200 "model=gpt_oss_20b model.config.num_hidden_layers=7 $RUN $PROF"
-bench qwen3_10_picked 180 "model=qwen3_30b_a3b model.config.num_hidden_layers=10 $RUN $PROF"
+bench gpt_oss_7_picked ${CAP:-200} "model=gpt_oss_20b model.config.num_hidden_layers=7 $RUN $PROF"
+bench qwen3_10_picked ${CAP:-180} "model=qwen3_30b_a3b model.config.num_hidden_layers=10 $RUN $PROF"
 LEFT=$((B - SECONDS - 10)); [ $LEFT -gt 70 ] && { timeout $LEFT python3 -m pytest -q -p no:cacheprovider -rA tests/test_auto_placement_cuda.py > $OUT/auto_placement.log 2>&1; echo "auto_placement rc=$?"; grep -h "^PASSED\|^FAILED\|^ERROR\|passed\|failed" $OUT/auto_placement.log | cut -c1-300 | tail -8; }
 grep -h "^| 20" $OUT/throughput.md 2>/dev/null | cut -d'|' -f5,7,9-16 | cut -c1-300
