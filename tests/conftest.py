@@ -15,6 +15,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+
+# Inductor's C++ kernels without their SIMD variants: a quarter less cold compilation for the compiled-block tests
+# (tests/test_compiled_blocks.py 350 -> 266 s with a fresh inductor cache, as CI has). What the CPU tests check is how
+# blocks compile and train, not inductor's vectorization (nothing compiles on the CPU by default; the cuda-marked
+# tests compile for the GPU). Read when torch._inductor.config is first imported (at the first torch.compile, after
+# this); processes the tests start inherit it. A value set outside wins.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
