@@ -16,16 +16,17 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-
-# Inductor's C++ kernels without their SIMD variants: a quarter less cold compilation for the compiled-block tests
-# (tests/test_compiled_blocks.py 350 -> 266 s with a fresh inductor cache, as CI has). What the CPU tests check is how
-# blocks compile and train, not inductor's vectorization (nothing compiles on the CPU by default; the cuda-marked
-# tests compile for the GPU). Read when torch._inductor.config is first imported (at the first torch.compile, after
-# this); processes the tests start inherit it. A value set outside wins.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+
+# Inductor's C++ kernels without their SIMD variants: a quarter less cold compilation for the compiled-block tests
+# (their file 350 -> 266 s with a fresh inductor cache, as CI has). What the CPU tests check is how blocks compile and
+# train, not inductor's vectorization (nothing compiles on the CPU by default; the cuda-marked tests compile for the
+# GPU). Read when torch._inductor.config is first imported, which Lightning's import does: set before it. Processes
+# the tests start inherit it. A value set outside wins.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import lightning.pytorch as pl
 import pytest
@@ -336,4 +337,21 @@ def block_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return run_block(self, block, *args, **kwargs)
 
     monkeypatch.setattr(DeviceUpdate, "run_block", counted)
+    return calls
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """(grad enabled, matmuls_only) of each compiled block call."""
+    from megatrain_lightning.engine.compiled import CompiledBlocks
+
+    calls: list[tuple[bool, bool]] = []
+    call = CompiledBlocks.call
+
+    def counted(self: Any, block: int, original: Any, module: Any, args: tuple, kwargs: dict,
+                matmuls_only: bool = False) -> Any:
+        calls.append((torch.is_grad_enabled(), matmuls_only))
+        return call(self, block, original, module, args, kwargs, matmuls_only)
+
+    monkeypatch.setattr(CompiledBlocks, "call", counted)
     return calls

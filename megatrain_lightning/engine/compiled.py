@@ -227,7 +227,7 @@ def _dynamo_settings() -> Any:
         # logits, so blocks compiled in a run without them recorded nothing in a later one of the process (a
         # streamed block's recompute then refused; a kept block's logits missing from the loss, silently where
         # other layers recorded), and a hook a callback registers mid-run was skipped. Guarding costs no
-        # recompilation across layers whose hooks are alike (tests/test_compiled_blocks.py, the router loss
+        # recompilation across layers whose hooks are alike (tests/test_compiled_experts.py, the router loss
         # compiled whole), ~4 us a call.
         "skip_nnmodule_hook_guards": False,
         # transformers' decoder layers (5.25, on the CPU) set a context variable in their forward, which dynamo
