@@ -16,20 +16,13 @@ from typing import Any
 import pytest
 import torch
 from compat_zoo import TokenBlocks, assert_exact, assert_frozen_unchanged, frozen_names
-from conftest import (
-    compare_losses,
-    compare_states,
-    fit,
-    megatrain,
-    run_parity,
-)
+from conftest import compare_losses, compare_states, fit, megatrain, run_parity
 from lightning.pytorch.callbacks import Callback
 from test_compat_frozen import ATTN, LoraLM
 from zoo import ZOO
 
 from megatrain_lightning.blocks import BlockDetectionError
 from megatrain_lightning.engine.compiled import compiles_by_default
-from megatrain_lightning.models import expert_routing  # noqa: F401  registers experts_implementation="grouped_mm_gather"
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
