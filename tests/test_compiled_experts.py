@@ -83,7 +83,7 @@ def test_blocks_with_experts_compiled_around_them_train_as_the_default_strategy(
     from megatrain_lightning.engine import compiled as compiled_module
 
     checkpointed: set[bool] = set()  # a set, added to once per value: dynamo guards on what a traced call mutates
-    saving = compiled_module.saving_matmuls  # (a list appended to each call recompiled the block at every call)
+    saving = compiled_module.saving_matmuls  # (a list appended to at each call: the block compiled again, three times)
 
     def counted(fn: Any, *inputs: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
