@@ -110,7 +110,7 @@ class Record(pl.Callback):
         self.store_bytes = sum(t.numel() * t.element_size() for s in engine.all_stores() for t in s.shared_buffers())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--global-batch", type=int, default=8)
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--skip-nonfinite", type=int, default=0)
     ap.add_argument("--nan-step", type=int, default=-1, help="global rank 0's loss is NaN at this step")
     ap.add_argument("--clear-state-at", type=int, default=-1, help="optimizer.state.clear() before this step")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if int(os.environ.get("RANK", "0")) == args.no_host_memory_on_rank:
         megatrain_lightning.host_memory.available_bytes = lambda: 1000  # type: ignore[attr-defined]
     world = int(os.environ.get("WORLD_SIZE", "1"))
