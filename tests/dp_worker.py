@@ -51,7 +51,7 @@ def arena_pss_bytes() -> int:
 class BigBlocks(ZooModule):
     """Blocks of two wide matrices and few tokens: host state far larger than the process itself. Built in
     configure_model (on the meta device under the strategy, initialised in the host store): no eager copy of
-    the weights is made and freed first (a 1-rank job of 24 blocks of width 2048: 55 -> 49 s here)."""
+    the weights (3.2 GB at 24 blocks of width 2048) is made and freed first."""
 
     def __init__(self, blocks: int = 8, width: int = 1024, **kwargs: Any) -> None:
         super().__init__(**kwargs)
