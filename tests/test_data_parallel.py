@@ -160,7 +160,7 @@ def test_host_memory_of_two_ranks_within_1_1x_of_one(tmp_path: Path) -> None:
     ranks of a node map one host store: their shares of its pages add up to one store, not two."""
     # 64 blocks of width 1024 (537M parameters, a 6 GiB store): each rank's two "device" slots, host memory on
     # the CPU, are 4x smaller than 24 blocks of width 2048's, so this store gives more margin (1.046x against
-    # 1.063x) in half the time (60 s against 122 s on 2 cores, which touching fresh host memory bounds)
+    # 1.063x) in less time (81 s against 123 s in the suite on 2 cores; touching fresh host memory bounds it)
     extra = ("--steps", "1", "--model", "big", "--big-width", "1024", "--big-blocks", "64")
     one = run(tmp_path / "m1.pt", 1, 1, *extra, timeout=900, own_process=True)
     two = run(tmp_path / "m2.pt", 2, 1, *extra, timeout=900)
