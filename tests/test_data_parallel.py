@@ -44,7 +44,7 @@ def run(out: Path, ranks: int = 1, nodes: int = 1, *extra: str, timeout: int = 3
     if ranks == 1 and nodes == 1 and not own_process:
         from dp_worker import main
 
-        saved = torch.get_num_threads()
+        saved = torch.get_num_threads()  # (not conftest's one_intra_op_thread: one_rank is module-scoped)
         torch.set_num_threads(1)
         try:
             main([str(out), *extra])
