@@ -325,6 +325,25 @@ def one_intra_op_thread() -> Any:
 
 
 @pytest.fixture
+def compile_without_codegen(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` with AOTAutograd's decompositions and min-cut partitioner but no kernels written (backend
+    ``aot_eager_decomp_partition``): dynamo captures the same graphs, with the same graph breaks, recompute and
+    selective checkpoint, as under inductor; only inductor's C++ kernels for the CPU, which no run compiles by
+    default (``compiles_by_default``) and whose cold build took 70 s of the compiled-block tests on 2 cores, are
+    not made. A test marked ``inductor`` compiles with inductor itself. Test files of compiled blocks use it for
+    every test (``pytestmark``)."""
+    if request.node.get_closest_marker("inductor") is not None:
+        return
+    compile_ = torch.compile
+
+    def without_codegen(model: Any = None, **kwargs: Any) -> Any:
+        kwargs.setdefault("backend", "aot_eager_decomp_partition")
+        return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
+
+    monkeypatch.setattr(torch, "compile", without_codegen)
+
+
+@pytest.fixture
 def block_updates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The block of each update the engine ran on the device (``engine/device_update.py``), in order."""
     from megatrain_lightning.engine.device_update import DeviceUpdate

@@ -6,6 +6,8 @@ the streamed blocks' forward without grad, their recompute with grad, a kept blo
 activation and a kept block saving matmul outputs only (the selective checkpoint inside the compiled function).
 The same for blocks we did not write (torch.nn with dropout, peft's LoRA layers); a failed compilation runs
 eager. Left at None, nothing compiles on the CPU. Blocks with Hugging Face's experts: tests/test_compiled_experts.py.
+The first test compiles with inductor itself; the others with its graphs but no kernels written (conftest's
+``compile_without_codegen``: inductor's cold C++ build was most of this file's time on 2 cores).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from zoo import ZOO
 from megatrain_lightning.blocks import BlockDetectionError
 from megatrain_lightning.engine.compiled import compiles_by_default
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "compile_without_codegen")
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("kept_saves", ["matmuls", "all"])
 def test_compiled_blocks_train_as_the_default_strategy(kept_saves: str, compiled_calls: list, caplog: Any) -> None:
     torch._dynamo.reset()

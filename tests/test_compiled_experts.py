@@ -6,7 +6,8 @@ inside the block's graph; biased ones (GPT-OSS's) around it. On the CPU in fp32 
 strategy does (weights to 1e-4, as tests/test_compiled_blocks.py), with the router loss on too, and with
 transformers' recording hooks installed after the blocks compiled. (A file of its own so that pytest-xdist's
 --dist loadfile runs it beside the dense compiled-block tests: together they were a quarter of the suite's test time
-on one worker.)
+on one worker.) Compiled with inductor's graphs but no kernels written (conftest's ``compile_without_codegen``);
+tests/test_recipes.py compiles GPT-OSS layers around and with their experts with inductor itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from zoo import ZOO
 from megatrain_lightning.engine.compiled import CompiledBlocks
 from megatrain_lightning.models import expert_routing  # noqa: F401  registers experts_implementation="grouped_mm_gather"
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "compile_without_codegen")
 
 
 def test_which_blocks_compile_around_experts() -> None:
