@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
+
 
 class Attached:
     """``call`` on the original; ``copy_as`` (deep-copied along with the module holding it) on a copy."""
@@ -23,6 +25,12 @@ class Attached:
     def __init__(self, call: Callable[..., Any], copy_as: Any) -> None:
         self.call, self.copy_as = call, copy_as
 
+    # Eager under torch.compile: where a compiled frame reaches an attachment (the user compiled a block, its parent
+    # or the whole model) dynamo breaks the graph here instead of tracing the engine's streams, slots and autograd
+    # Function, recompiling each per block index (3 blocks compiled by hand: 132 frames, none now; a tiny Llama
+    # compiled whole: 210 frames, 42 now, and 19 s for 3 steps, 2 s now). The engine's own compiled block functions
+    # (engine/compiled.py), called from in here, compile as under an eager caller.
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(*args, **kwargs)
 

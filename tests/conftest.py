@@ -324,6 +324,13 @@ def one_intra_op_thread() -> Any:
     torch.set_num_threads(saved)
 
 
+def traced_by_dynamo() -> set[str]:
+    """The source files of the frames dynamo has compiled since its last reset (its own record of them)."""
+    from torch._dynamo.convert_frame import input_codes
+
+    return {code.co_filename for code in (ref() for ref in input_codes.seen) if code is not None}
+
+
 @pytest.fixture
 def compile_without_codegen(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.compile`` with AOTAutograd's decompositions and min-cut partitioner but no kernels written (backend

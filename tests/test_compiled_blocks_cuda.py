@@ -26,6 +26,9 @@
     would compile with the hook inside its graph (``side_outputs.in_one_graph``), but in fp32 transformers' fallback
     grouped mm (5.17) cannot be traced whole and it runs eager after one failed compilation, as in (e); (f) runs it
     compiled, in bf16.
+(h) a model compiled whole by its module (``torch.compile(self.model)``, inductor) with ``compile_blocks=True``: the
+    streamed blocks break the user's graph and run the engine eager, their own compiled functions inside (dynamo
+    compiles none of the engine's code); fp32 at the bar of (a) against the default strategy on the same module.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, rel_diff
+from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, rel_diff, traced_by_dynamo
 from megatrain_lightning.config import STREAMING
 from megatrain_lightning.engine import side_outputs
 from megatrain_lightning.engine.compiled import CompiledBlocks
@@ -88,6 +91,25 @@ def _compiled_fp32_parity(label: str, factory: Any, placement: dict, steps: int,
 def test_cuda_compiled_blocks_fp32_parity(no_tf32: None, compiled_calls: list[bool]) -> None:  # noqa: F811 (the fixture)
     _compiled_fp32_parity("(a) compiled, keep 2 (matmuls) of 6", _fp32_factory(),
                           {"slots": 3, "keep_activations": 2, "kept_saves": "matmuls"}, 20, compiled_calls)
+
+
+class CompiledWholeLlama(LlamaLM):
+    """The module compiles its whole Hugging Face model, as Lightning's docs show (``torch.compile(model)``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = torch.compile(self.model)
+
+
+def test_cuda_a_model_compiled_whole_by_its_module_fp32_parity(no_tf32: None,  # noqa: F811 (the fixture)
+                                                               compiled_calls: list[bool]) -> None:
+    factory = _fp32_factory()
+    torch._dynamo.reset()
+    _compiled_fp32_parity("(h) compiled whole by its module, keep 2 (matmuls) of 6",
+                          partial(CompiledWholeLlama, **factory.keywords),
+                          {"slots": 3, "keep_activations": 2, "kept_saves": "matmuls"}, 10, compiled_calls)
+    traced = traced_by_dynamo()
+    assert any("modeling_llama" in f for f in traced) and not [f for f in traced if "megatrain_lightning" in f], traced
 
 
 def _llama_100m(steps: int) -> Any:
