@@ -108,18 +108,22 @@ _PEFT_OPTIONS = {
     "coft": "constrained OFT projects oft_R onto its constraint set in place in every forward, and a streamed block's "
             "weights are written only by the optimizer",
 }
-# peft methods a streamed block cannot train exactly (peft 0.21): peft_type -> why
+# peft methods a streamed block cannot train exactly (peft 0.21, 0.22): peft_type -> why
 _PEFT_TYPES = {
     "POLY": "Poly hands each layer its task_ids through forward pre-hooks that live only while PeftModel.forward runs, "
             "so the backward's recompute would run the router without them",
+    "XLORA": "X-LoRA hands its classifier's scalings to every LoRA layer through forward pre-hooks that live only while "
+             "the model's forward runs, so the backward's recompute would run the layers without them (its classifier "
+             "trained silently wrong)",
 }
 
 
 def refuse_peft_options(module: pl.LightningModule) -> None:
     """peft adapters with an option listed in ``_PEFT_OPTIONS``: refused by adapter and option, with the fix.
-    Found by sweeps of peft 0.21's methods (2026-12-05, 2026-12-07): aLoRA and MonteCLoRA trained silently wrong,
-    VeLoRA lost its buffers, ``target_parameters`` and Poly failed in the first backward, OFT's ``coft`` was refused
-    in the first forward naming every weight. Methods in ``_PEFT_TYPES`` are refused whatever their options."""
+    Found by sweeps of peft 0.21's and 0.22's methods (2026-12-05, 2026-12-07): aLoRA, MonteCLoRA and X-LoRA trained
+    silently wrong, VeLoRA lost its buffers, ``target_parameters`` and Poly failed in the first backward, OFT's
+    ``coft`` was refused in the first forward naming every weight. Methods in ``_PEFT_TYPES`` are refused whatever
+    their options."""
     for m in module.modules():
         configs = getattr(m, "peft_config", None)
         if not isinstance(configs, dict):

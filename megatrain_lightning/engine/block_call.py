@@ -88,12 +88,13 @@ def run_bound(engine: Any, block: int, args: tuple, kwargs: dict, weights: Any =
             raise RuntimeError(
                 f"MegaTrainStrategy cannot train block {block} ({type(engine.blocks[block]).__name__}) exactly: its "
                 f"forward writes its parameter{'s' if len(binding.written) > 1 else ''} "
-                f"{', '.join(binding.written_params())} in place (nn.Embedding(max_norm=...) renormalises its weight "
-                "so; a clamp_ under no_grad), but a streamed block runs on a device copy of its weights that lives "
-                "for one call: the write would never reach the weights the optimizer updates, and the backward's "
-                "recompute would write again. Make the write outside the forward, on the weights themselves (in "
-                "on_train_batch_end, or an optimizer step post-hook), use F.embedding without max_norm (or "
-                "renormalise the rows it looks up without writing them back), or stream another level with "
+                f"{', '.join(binding.written_params())} in place or through .data (nn.Embedding(max_norm=...) "
+                "renormalises its weight so; a clamp_ under no_grad; a projection assigned to .data), but a streamed "
+                "block runs on a device copy of its weights that lives for one call: the write would never reach the "
+                "weights the optimizer updates, and the backward's recompute would write again. Make the write "
+                "outside the forward, on the weights themselves (in on_train_batch_end, or an optimizer step "
+                "post-hook), use F.embedding without max_norm (or renormalise the rows it looks up without writing "
+                "them back), or stream another level with "
                 "block_class=... so that the module is resident.")
         if check:
             if first is not None and first.complete:

@@ -263,10 +263,27 @@ class ResidentParts:
             self._part_to_host(part, then, keep_writes)
 
     def _written(self, part: ResidentPart) -> list[int]:
-        """Layout indices of the part's parameters written in place on the device this step (``nn.Embedding(
+        """Layout indices of the part's parameters written on the device this step: in place (``nn.Embedding(
         max_norm=...)`` renormalises rows of its weight in its forward; a ``clamp_`` under no_grad in the training
-        step). Writes through ``.data`` bypass the version counter and are not seen."""
-        return [i for i, (p, v) in enumerate(zip(part.store.params, part.versions)) if p._version != v]
+        step), or replaced through ``.data`` (peft's CPT projects its delta embedding so in every forward; such a
+        write bypasses the version counter, and the parameter no longer views the part's device copy)."""
+        return [i for i, (p, v, view) in enumerate(zip(part.store.params, part.versions, part.views))
+                if p._version != v or p.data_ptr() != view.data_ptr()]
+
+    def _adopt_replaced(self, part: ResidentPart, written: list[int]) -> None:
+        """Copy the parameters of ``written`` replaced through ``.data`` into the part's device copy, which the
+        update on the device and the copy home read."""
+        for i in written:
+            p, view = part.store.params[i], part.views[i]
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape:
+                raise RuntimeError(
+                    f"MegaTrainStrategy cannot train {self._names.get(id(p), '?')} exactly: this step replaced it "
+                    f"through .data with a tensor of shape {tuple(p.shape)}, not its {tuple(view.shape)}. Keep its "
+                    "shape (resize it between fits), or train with Lightning's default strategy.")
+            with torch.no_grad():
+                view.copy_(p.detach())  # on the compute stream, after the kernels that made the new tensor
 
     def _can_take_back(self, part: ResidentPart, i: int) -> bool:
         """Whether a write to parameter ``i`` on the device can go into its host copy exactly: one of the same
@@ -296,6 +313,7 @@ class ResidentParts:
         written = self._written(part)
         if written and keep_writes:
             self.refuse_untakeable_writes()
+            self._adopt_replaced(part, written)
             if part.landed is not None:
                 part.landed.synchronize()  # host wait: a device update's copy home no longer writes the masters
             with torch.no_grad():

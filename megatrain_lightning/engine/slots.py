@@ -110,6 +110,7 @@ class BlockBinding:
             for mod, name in sites:
                 mod._parameters[name] = t  # type: ignore[assignment]
         versions = [t._version for t in bound]  # a parameter written in place by the call: see written_params
+        places = [t.data_ptr() for t in bound]  # or replaced through .data (no version moves)
         self.written = []
         if check:
             self._versions = [b._version for b in self.device_buffers]
@@ -121,8 +122,10 @@ class BlockBinding:
             if check:  # a buffer the call replaced (its new tensor is dropped below)
                 self._replaced = {i for i, ((mod, name, _), b) in enumerate(zip(self.buffer_sites, self.device_buffers))
                                   if mod._buffers.get(name) is not b}
-            if any(t._version != v for t, v in zip(bound, versions)):
-                self.written = self._changed(bound)
+            moved = any(t._version != v for t, v in zip(bound, versions))
+            replaced = [i for i, (t, ptr) in enumerate(zip(bound, places)) if t.data_ptr() != ptr]
+            if moved or replaced:
+                self.written = sorted(set(self._changed(bound) if moved else []) | set(replaced))
             for sites, p in zip(self.param_sites, self.params):
                 for mod, name in sites:
                     mod._parameters[name] = p
@@ -140,8 +143,7 @@ class BlockBinding:
 
     def written_params(self) -> list[str]:
         """Names of the parameters the last :meth:`bound` call wrote in place (``nn.Embedding(max_norm=...)``
-        renormalises its weight in its forward; a ``clamp_`` under no_grad). Writes through ``.data`` are not seen
-        (they bypass the version counter)."""
+        renormalises its weight in its forward; a ``clamp_`` under no_grad) or replaced through ``.data``."""
         paths = {id(m): n for n, m in self.block.named_modules()}
         return [f"{paths.get(id(mod)) or type(mod).__name__}.{name}".lstrip(".")
                 for i in self.written for mod, name in self.param_sites[i][:1]]
