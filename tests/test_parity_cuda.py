@@ -19,8 +19,9 @@
 (g) kept blocks saving only matmul outputs: less device memory, the same training.
 (h) what the device updates (update_on_device=4, cache 3) stays there between steps; a checkpoint at step 7 sends
     it home, and the run resumed from it trains as the default strategy resumed from its own step-7 checkpoint.
-(i) weights written in place: a max_norm input embedding's renorm on the device reaches the host masters, and a
-    step post-hook's weight clipping reaches the copies the device updated (fp32 parity as in (a)).
+(i) weights written in place: a max_norm input embedding's renorm on the device (or a projection assigned to its
+    ``.data``) reaches the host masters, and a step post-hook's weight clipping reaches the copies the device
+    updated (fp32 parity as in (a)).
 """
 
 from __future__ import annotations
@@ -418,10 +419,10 @@ def test_cuda_device_state_home_on_demand_resumes_exactly(no_tf32: None, tmp_pat
 # ---------------------------------------------------------------------------------------------
 # (i) weights written in place on the device, and by a step post-hook
 # ---------------------------------------------------------------------------------------------
-def _written_in_place() -> Any:
-    from test_compat_weight_writes import MaxNormEmbedding
+def _written_in_place(through_data: bool = False) -> Any:
+    from test_compat_weight_writes import MaxNormEmbedding, ProjectedEmbedding
 
-    class Clipped(MaxNormEmbedding):
+    class Clipped(ProjectedEmbedding if through_data else MaxNormEmbedding):  # type: ignore[misc,valid-type]
         def configure_optimizers(self) -> Any:
             opt = super().configure_optimizers()
 
@@ -436,11 +437,13 @@ def _written_in_place() -> Any:
     return Clipped()
 
 
+@pytest.mark.parametrize("through_data", [False, True], ids=["max_norm", "projected-through-data"])
 @pytest.mark.parametrize("update_on_device", [False, True])
-def test_cuda_weights_written_in_place_reach_the_host(no_tf32: None, update_on_device: bool) -> None:
-    ref = fit(_written_in_place, None, max_steps=6, precision="32-true", **CUDA)
-    got = fit(_written_in_place, pinned(update_on_device=update_on_device), max_steps=6, precision="32-true", **CUDA)
+def test_cuda_weights_written_in_place_reach_the_host(no_tf32: None, update_on_device: bool, through_data: bool) -> None:
+    factory = partial(_written_in_place, through_data)
+    ref = fit(factory, None, max_steps=6, precision="32-true", **CUDA)
+    got = fit(factory, pinned(update_on_device=update_on_device), max_steps=6, precision="32-true", **CUDA)
     assert_is_megatrain(got)
-    print(f"\n(i) update_on_device={update_on_device}: losses", ref.losses, got.losses)
+    print(f"\n(i) update_on_device={update_on_device}, through .data {through_data}: losses", ref.losses, got.losses)
     compare_losses(ref.losses, got.losses, rtol=1e-4)
     compare_states(ref.state, got.state, rtol=1e-3)
