@@ -83,13 +83,15 @@ def test_peft_lora_parity(case: str) -> None:
 
 class PeftLM(CausalLMModule):
     """A tiny HF Llama under one of peft's other methods (``method``): DoRA (LoRA with its weight-decomposed
-    magnitude), IA3 (learned scaling vectors) and prompt tuning (learned virtual-token embeddings, outside the
-    blocks). Prefix tuning hands each layer a KV cache of virtual tokens: refused, tests/test_compat_families.py."""
+    magnitude), IA3 (learned scaling vectors), prompt tuning (learned virtual-token embeddings, outside the
+    blocks) and PaCA (peft 0.22: a trained delta of randomly chosen columns of each base weight). Prefix tuning
+    hands each layer a KV cache of virtual tokens: refused, tests/test_compat_families.py."""
 
     def __init__(self, method: str = "dora", **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     def build(self) -> nn.Module:
+        import peft
         from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
 
         config = {
@@ -97,6 +99,7 @@ class PeftLM(CausalLMModule):
             "ia3": lambda: IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
                                      feedforward_modules=["down_proj"]),
             "prompt": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+            "paca": lambda: peft.PacaConfig(r=4, target_modules=list(ATTN), random_seed=0),
         }[self.hparams.method]()
         return get_peft_model(build_causal_lm(self.hparams.arch), config)
 
@@ -187,11 +190,13 @@ def test_peft_options_a_streamed_block_cannot_train_are_refused_at_setup(option:
     assert refused is not None, f"{option}: expected a refusal at setup"
 
 
-@pytest.mark.parametrize("method", ["dora", "ia3", "prompt"])
+@pytest.mark.parametrize("method", ["dora", "ia3", "prompt", "paca"])
 def test_peft_methods_beyond_lora_parity(method: str) -> None:
-    """DoRA, IA3 and prompt tuning: same losses and trained tensors as the default strategy, every base weight
+    """DoRA, IA3, prompt tuning and PaCA: same losses and trained tensors as the default strategy, every base weight
     untouched."""
-    pytest.importorskip("peft")
+    peft = pytest.importorskip("peft")
+    if method == "paca" and not hasattr(peft, "PacaConfig"):
+        pytest.skip(f"peft {peft.__version__} has no PaCA (0.22 added it)")
     factory = partial(PeftLM, method=method, arch="llama")
     ref = fit(factory, None, max_steps=3)
     frozen = frozen_names(ref.module)
