@@ -94,10 +94,24 @@ def test_peft_cpt_projecting_its_prompt_in_every_forward_trains_exactly() -> Non
     assert_exact(ref, got, frozen=frozen_names(ref.module))
 
 
+class GrownEmbedding(TokenBlocks):
+    """The input embedding given one more row through ``.data`` in its first forward (the default strategy trains
+    the grown table from then on)."""
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.embed.weight.detach()
+        if w.shape[0] == VOCAB:
+            self.embed.weight.data = torch.cat([w, w[:1]])
+        return super().trunk(x)
+
+
 def test_a_resident_write_that_cannot_go_home_exactly_is_refused_before_any_update() -> None:
-    """host_state='compact' keeps the masters as bf16 halves: the fp32 write cannot go into them exactly."""
+    """host_state='compact' keeps the masters as bf16 halves: the fp32 write cannot go into them exactly. A
+    weight replaced through .data by one of another shape cannot go into its place in the host store at all."""
     refused_in_the_first_forward(MaxNormEmbedding, r"cannot train embed\.weight exactly: this step wrote it in place",
                                  host_state="compact")
+    refused_in_the_first_forward(GrownEmbedding, r"cannot train embed\.weight exactly: this step replaced it through "
+                                 r"\.data with a tensor of shape \(97, 32\), not its \(96, 32\)")
 
 
 class MaxNormInBlock(MLPBlock):

@@ -272,18 +272,12 @@ class ResidentParts:
 
     def _adopt_replaced(self, part: ResidentPart, written: list[int]) -> None:
         """Copy the parameters of ``written`` replaced through ``.data`` into the part's device copy, which the
-        update on the device and the copy home read."""
+        update on the device and the copy home read (their shapes checked in :meth:`refuse_untakeable_writes`)."""
         for i in written:
             p, view = part.store.params[i], part.views[i]
-            if p.data_ptr() == view.data_ptr():
-                continue
-            if p.shape != view.shape:
-                raise RuntimeError(
-                    f"MegaTrainStrategy cannot train {self._names.get(id(p), '?')} exactly: this step replaced it "
-                    f"through .data with a tensor of shape {tuple(p.shape)}, not its {tuple(view.shape)}. Keep its "
-                    "shape (resize it between fits), or train with Lightning's default strategy.")
-            with torch.no_grad():
-                view.copy_(p.detach())  # on the compute stream, after the kernels that made the new tensor
+            if p.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(p.detach())  # on the compute stream, after the kernels that made the new tensor
 
     def _can_take_back(self, part: ResidentPart, i: int) -> bool:
         """Whether a write to parameter ``i`` on the device can go into its host copy exactly: one of the same
@@ -291,13 +285,21 @@ class ResidentParts:
         return part.store.master_views[i].dtype == part.views[i].dtype and part.store.published is None
 
     def refuse_untakeable_writes(self) -> None:
-        """The first block's backward begins, before any update: refuse a write in place (see :meth:`_written`)
-        that cannot go home exactly, naming the parameter."""
+        """The first block's backward begins, before any update: refuse a write (see :meth:`_written`) that cannot
+        go home exactly, naming the parameter."""
         for part in self.parts:
             if not part.on_device:
                 continue
-            bad = [self._names.get(id(part.store.params[i]), "?") for i in self._written(part)
-                   if not self._can_take_back(part, i)]
+            written = self._written(part)
+            resized = [(self._names.get(id(part.store.params[i]), "?"), part.store.params[i], part.views[i])
+                       for i in written if part.store.params[i].shape != part.views[i].shape]
+            if resized:
+                name, p, view = resized[0]
+                raise RuntimeError(
+                    f"MegaTrainStrategy cannot train {name} exactly: this step replaced it through .data with a tensor "
+                    f"of shape {tuple(p.shape)}, not its {tuple(view.shape)}. Keep its shape (resize it between fits), "
+                    "or train with Lightning's default strategy.")
+            bad = [self._names.get(id(part.store.params[i]), "?") for i in written if not self._can_take_back(part, i)]
             if bad:
                 raise RuntimeError(
                     f"MegaTrainStrategy cannot train {', '.join(bad)} exactly: this step wrote it in place "
