@@ -331,6 +331,14 @@ def traced_by_dynamo() -> set[str]:
     return {code.co_filename for code in (ref() for ref in input_codes.seen) if code is not None}
 
 
+def package_files(files: set[str]) -> list[str]:
+    """Those of ``files`` that are the package's own source."""
+    import megatrain_lightning
+
+    root = str(Path(megatrain_lightning.__file__).resolve().parent) + os.sep
+    return sorted(f for f in files if str(Path(f).resolve()).startswith(root))
+
+
 @pytest.fixture
 def compile_without_codegen(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.compile`` with AOTAutograd's decompositions and min-cut partitioner but no kernels written (backend
