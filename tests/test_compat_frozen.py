@@ -9,7 +9,9 @@ Face Llama and Qwen2 models, Lightning's ``BackboneFinetuning`` / ``BaseFinetuni
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -148,6 +150,7 @@ def _lora_experts(arch: str) -> dict[str, str]:
     import peft
 
     root = Path(tempfile.mkdtemp(prefix="lora-experts-"))
+    atexit.register(shutil.rmtree, root, True)
     for name in ("0", "1"):
         torch.manual_seed(int(name) + 1)
         donor = peft.get_peft_model(build_causal_lm(arch), peft.LoraConfig(
