@@ -109,8 +109,9 @@ class BlockBinding:
             bound.append(t)
             for mod, name in sites:
                 mod._parameters[name] = t  # type: ignore[assignment]
-        versions = [t._version for t in bound]  # a parameter written in place by the call: see written_params
-        places = [t.data_ptr() for t in bound]  # or replaced through .data (no version moves)
+        # a parameter written in place by the call (its version moves) or replaced through .data (its memory
+        # moves): see written_params
+        marks = [(t._version, t.data_ptr()) for t in bound]
         self.written = []
         if check:
             self._versions = [b._version for b in self.device_buffers]
@@ -122,8 +123,8 @@ class BlockBinding:
             if check:  # a buffer the call replaced (its new tensor is dropped below)
                 self._replaced = {i for i, ((mod, name, _), b) in enumerate(zip(self.buffer_sites, self.device_buffers))
                                   if mod._buffers.get(name) is not b}
-            moved = any(t._version != v for t, v in zip(bound, versions))
-            replaced = [i for i, (t, ptr) in enumerate(zip(bound, places)) if t.data_ptr() != ptr]
+            moved = any(t._version != v for t, (v, _) in zip(bound, marks))
+            replaced = [i for i, (t, (_, ptr)) in enumerate(zip(bound, marks)) if t.data_ptr() != ptr]
             if moved or replaced:
                 self.written = sorted(set(self._changed(bound) if moved else []) | set(replaced))
             for sites, p in zip(self.param_sites, self.params):
