@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,6 +39,7 @@ from .data_parallel import first_refusal, init_process_group, make_replicas
 from .errors import CheckpointError, ConfigError
 from .hardware import detect
 from .engine import StreamingEngine
+from .engine.wide_weights import NarrowRead, widen
 from .attached import hook
 from .engine.shared import tmpfs_room
 from .init import initializer_for
@@ -497,16 +499,38 @@ class MegaTrainStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.placement is not None:
             self.placement.before_micro_batch()  # may take a new placement (the engine is between steps)
+        # while a block's first call is to come (it may find weights to widen), the step's random state, so that
+        # a step run again draws what it drew (dropout) and trains as the default strategy's single run
+        engine = self.engine
+        rng = _collect_rng_states() if engine is not None and len(engine.checked_blocks) < len(engine.blocks) else None
         while True:
+            read = None
             try:
                 return self._training_step(*args, **kwargs)
+            except NarrowRead as exc:
+                read = exc
             except torch.OutOfMemoryError:
                 if self.placement is None or not self.placement.can_back_off:
                     raise
             # Outside the except: the failed forward's frames, and the tensors they held, are gone. Nothing of
-            # the step had been updated (the forward changes no weight): it runs again, whole, on a smaller
-            # placement (the streaming one at the last, which the measured first step ran on).
-            self.placement.out_of_memory()
+            # the step had been updated (the forward changes no weight): it runs again, whole, with the weights a
+            # block's first call found read outside autocast's matmuls held in fp32 (engine/wide_weights.py), or
+            # on a smaller placement (the streaming one at the last, which the measured first step ran on).
+            if read is not None:
+                self._widen(read)
+            else:
+                self.placement.out_of_memory()
+            if rng is not None:
+                _set_rng_states(rng)
+
+    def _widen(self, read: NarrowRead) -> None:
+        names = widen(self.engine, read)
+        numel = sum(self.engine.root.get_parameter(n).numel() for n in names)
+        log.info(
+            "MegaTrainStrategy: %d weights (%s%s; %.2f MB in fp32) are read outside autocast's matmuls (%s), where "
+            "Lightning's bf16-mixed reads them in fp32: kept in fp32 on the device from now on, as one-dimensional "
+            "weights are, and the step runs again.", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
+            numel * 4 / 1e6, ", ".join(sorted(set(read.ops))))
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._aborted = None  # a new attempt: an id seen by _abort before may belong to a new exception now

@@ -11,12 +11,17 @@ steps the run reached 53-96 % exact match where Lightning's reached 99.5 %.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
-from zoo import TinyLlama, TinyQwen2
+from megatrain_lightning.engine.wide_weights import narrow_reads
+from zoo import TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe, UserBlocks
 
 STEPS = 12
 
@@ -44,3 +49,87 @@ def test_bf16_mixed_matches_lightning_step_for_step(factory: Any, engine: dict, 
     compare_losses(ref.losses, got.losses, rtol=0.0)  # the same bits
     # the weights: within what the order of fused AdamW's and torch's for-each AdamW's operations gives
     compare_states(ref.state, got.state, rtol=1e-7)
+
+
+# ---- weights of two or more dimensions read outside autocast's matmuls (engine/wide_weights.py) ----------------------
+
+
+class ScaledBlock(nn.Module):
+    """x + gamma * dropout(MLP(LayerNorm(x))): a layer scale of shape (1, dim), read by a ``mul`` (in fp32 under
+    Lightning's bf16-mixed), and a dropout, so that the step run again must draw the masks the first attempt drew."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(1, dim))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class ScaledBlocks(UserBlocks):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.blocks = nn.ModuleList([ScaledBlock(32, 64) for _ in range(len(self.blocks))])
+
+
+@pytest.mark.parametrize(
+    ("factory", "engine", "widened"),
+    [
+        (ScaledBlocks, dict(), 4),  # a layer scale per block; a dropout
+        (ScaledBlocks, dict(keep_activations=1, update_on_device=True), 4),  # a kept block; one updated on the device
+        (ScaledBlocks, dict(bf16_grads=False, cache_weights=2), 4),  # fp32 gradients; cached blocks
+        (TinyGptOss, dict(), 8),  # its experts' biases, (experts, dim), gathered per token and added
+        (TinyGptOss, dict(keep_activations=1, overlap_optimizer=False), 8),
+    ],
+    ids=["layer-scale", "layer-scale-kept-on-device", "layer-scale-fp32-grads-cached", "gpt-oss", "gpt-oss-kept"],
+)
+def test_weights_read_outside_autocast_matmuls_train_as_under_lightning(
+        factory: Any, engine: dict, widened: int, one_intra_op_thread: Any, caplog: Any) -> None:
+    """Lightning's bf16-mixed reads such a weight in fp32; the engine held it in bf16 in the slots before, and the run
+    drifted silently (GPT-OSS, 6 steps: 4.0e-4 in the loss, 9.1e-2 in the weights, relative). Now the first call
+    finds it, it is held in fp32 on the device from then on and the first step runs again: the same bits."""
+    ref = fit(factory, None, precision="bf16-mixed", max_steps=STEPS)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+        got = fit(factory, megatrain(**engine), precision="bf16-mixed", max_steps=STEPS)
+    assert_is_megatrain(got)
+    said = [r.getMessage() for r in caplog.records if "outside autocast's matmuls" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"MegaTrainStrategy: {widened} weights"), said
+    compare_losses(ref.losses, got.losses, rtol=0.0)
+    compare_states(ref.state, got.state, rtol=1e-7)
+
+
+def test_weights_read_only_by_matmuls_stay_narrow(one_intra_op_thread: Any, caplog: Any) -> None:
+    """A 3-d expert weight read by matmuls only, a Llama's projections: nothing widened, no step run again."""
+    for factory in (TinyLlama, TinyQwen3Moe):
+        with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+            got = fit(factory, megatrain(), precision="bf16-mixed", max_steps=2)
+        assert_is_megatrain(got)
+        assert not [r for r in caplog.records if "outside autocast's matmuls" in r.getMessage()]
+
+
+def _reads(build: Callable[[list[torch.Tensor]], torch.Tensor], *shapes: tuple[int, ...]) -> dict[int, str]:
+    weights = [torch.randn(*s, dtype=torch.bfloat16).requires_grad_() for s in shapes]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = build(weights)
+    return narrow_reads(out, weights, range(len(weights)))
+
+
+def test_narrow_reads_names_the_op_that_reads_a_weight_outside_matmuls() -> None:
+    x = torch.randn(2, 3, 8)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    assert _reads(lambda w: F.linear(x, w[0]) @ w[1].t().contiguous()[:, :2], (8, 8), (4, 8)) == {}
+    assert _reads(lambda w: torch.einsum("bsi,eij->bsej", x, w[0]), (2, 8, 4)) == {}  # views, then a bmm
+    assert _reads(lambda w: F.linear(x, w[0]) * w[1], (8, 8), (1, 8)) == {1: "MulBackward0"}  # a layer scale
+    assert _reads(lambda w: F.embedding(ids, w[0]), (5, 8)) == {0: "EmbeddingBackward0"}  # T5's position bias
+    assert _reads(lambda w: x @ torch.exp(w[0].float()), (8, 4)) == {0: "ExpBackward0"}  # Mamba's A_log
+    assert _reads(lambda w: F.linear(x, w[0]) + w[1][ids], (8, 8), (5, 8)) == {1: "AddBackward0"}  # expert biases
+    assert _reads(lambda w: x @ w[0].float(), (8, 4)) == {}  # widened, then cast back by autocast's matmul
+
+    def fp32_matmul(w: list[torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return x @ w[0].float()
+
+    assert _reads(fp32_matmul, (8, 4)) == {0: "MmBackward0"}  # a matmul in fp32: Lightning's reads the fp32 weight

@@ -17,9 +17,11 @@ runs with a graph as its recompute will, and refuses by name, in one paragraph w
 
 Cost: the call builds the graph the recompute builds, once per block, without its saved tensors (the graph is
 only walked: its activations are freed as they would be without it). Under ``torch.inference_mode`` (validate,
-test, predict) nothing is checked: there is no graph and no backward. While transformers records outputs
-(router logits: ``side_outputs.py``) the graph is not built: the recorded tensors become the Function's outputs
-as they are.
+test, predict) nothing is checked: there is no graph and no backward. What transformers records in the call
+(router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it as extra outputs.
+
+Under a narrow compute dtype the same graph shows the weights that an op outside autocast's matmuls reads
+(``wide_weights.py``): the call raises ``NarrowRead``, for the step to run again with them held in fp32.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
+from .wide_weights import NarrowRead, narrow_reads
 
 _FIX = "or stream another level with block_class=..."
 
@@ -50,7 +53,7 @@ class FirstCall:
         # Not for nested-tensor inputs: only a call without grad gets them (nn.TransformerEncoder's fast path,
         # in evaluation), and with grad the same modules refuse them; a training call brings dense ones.
         nested = any(isinstance(t, torch.Tensor) and t.is_nested for t in pytree.tree_leaves((args, kwargs)))
-        self.graph = not self.inference and not self.grad and not side_outputs.recording() and not nested
+        self.graph = not self.inference and not self.grad and not nested
         self.complete = not self.inference and not nested  # else a later call is checked again
         if not self.inference and not self.grad:
             args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
@@ -81,6 +84,7 @@ class FirstCall:
         # reserved grew with depth, 48 - 12 Llama blocks 1.547 GiB against the 1.125 of the inputs, H100).
         discard = torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked) if self.graph else nullcontext()
         rng = _rng_states(self.engine.streams.device) if self.graph else None
+        recorded = side_outputs.lengths() if self.graph else None  # router logits the call records, with a graph
         try:
             try:
                 with torch.enable_grad(), discard:
@@ -93,6 +97,7 @@ class FirstCall:
                 # forward hooks and Python-side effects run twice in this first step).
                 _restore_rng(rng)
                 hooked.clear()
+                side_outputs.detach_since(recorded, drop=True)
                 with torch.enable_grad():
                     out = call(self.args, self.kwargs)
         except RuntimeError as err:  # a kept block's inputs and weights are leaves that require grad
@@ -115,13 +120,32 @@ class FirstCall:
         if not self.graph:
             if escaped:
                 self._refuse_escaped(escaped)
+            if self.grad:
+                self._narrow_reads(out)
             return out if self.grad else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        side = side_outputs.detach_since(recorded)  # the Function returns them (side_outputs.py): not escaped
+        self._narrow_reads((out, side))
         out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)  # the graph goes with the last reference
         escaped += sorted({f"{self._qualified(path)}'s output (a forward hook)" for path, ref in hooked
-                           if (t := ref()) is not None and t.grad_fn is not None})
+                           if (t := ref()) is not None and t.grad_fn is not None and not any(t is r for r in side)})
         if escaped:
             self._refuse_escaped(escaped)
         return out
+
+    def _narrow_reads(self, out: Any) -> None:
+        """Raises :class:`NarrowRead` for the trainable weights of two or more dimensions, bf16 here and fp32 under
+        Lightning's bf16-mixed, that an op outside autocast's matmuls reads (``wide_weights.py``)."""
+        store = self.engine.stores[self.block]
+        if store.dtype != torch.float32:
+            return
+        wide = set(store.layout.wide)
+        candidates = [i for i, t in enumerate(self.bound) if i not in wide and t.dim() >= 2
+                      and t.dtype in (torch.bfloat16, torch.float16)]
+        found = narrow_reads(out, self.bound, candidates) if candidates else {}
+        if found:
+            paths = {id(t): n for n, t in self.module.named_parameters(remove_duplicate=False)}
+            raise NarrowRead(self.block, type(self.module).__name__,
+                             [paths.get(id(self.bound[i]), f"parameter {i}") for i in found], list(found.values()))
 
     def _grad_hooks(self, names: dict[int, str]) -> None:
         ours = self.engine.outside.hook_ids()

@@ -47,6 +47,17 @@ class FlatLayout:
             cursor = align(cursor + self.params[i].numel(), self.ALIGN_ELEMS)
         self.wide_numel = cursor
 
+    def widen(self, indices: Sequence[int]) -> list[int]:
+        """Also hold the parameters at ``indices`` in fp32 in a narrow slot (weights of more dimensions that an op
+        outside autocast's matmuls reads: ``wide_weights.py``), packed after the others: the offsets of those
+        already wide stay. Returns the indices that were not wide before."""
+        new = [i for i in dict.fromkeys(indices) if i not in self.wide]
+        for i in new:
+            self.wide.append(i)
+            self.wide_offsets.append(self.wide_numel)
+            self.wide_numel = align(self.wide_numel + self.params[i].numel(), self.ALIGN_ELEMS)
+        return new
+
     def views(self, flat: torch.Tensor, wide: torch.Tensor | None = None,
               narrow: tuple[int, torch.dtype] | None = None) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like each parameter, in layout order; with ``wide``, the weights of one

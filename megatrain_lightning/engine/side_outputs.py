@@ -211,3 +211,26 @@ def silenced() -> Iterator[None]:
         yield
     finally:
         var.reset(token)
+
+
+def lengths() -> dict[str, int] | None:
+    """The lengths of the active collector's lists (what a block's checked first call appends after), or None."""
+    var = _collector_var()
+    collector = var.get() if var is not None else None
+    return {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else None
+
+
+def detach_since(before: dict[str, int] | None, drop: bool = False) -> list[torch.Tensor]:
+    """The tensors appended to the active collector since ``before``, replaced there by detached copies (the
+    checked first call builds a graph; what the Function returns has none), or removed with ``drop`` (a call that
+    runs again appends them again). Returns them as they were, with their history."""
+    var = _collector_var()
+    collector = var.get() if var is not None and before is not None else None
+    if not collector:
+        return []
+    _, tensors = _split_new(collector, before, take=False)
+    for key, n in before.items():
+        value = collector.get(key)
+        if isinstance(value, list) and len(value) > n:
+            value[n:] = [] if drop else [e.detach() if isinstance(e, torch.Tensor) else e for e in value[n:]]
+    return tensors

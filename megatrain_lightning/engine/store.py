@@ -287,7 +287,7 @@ class FlatStore:
             if self._own_half_grad is None and self._grad_idle():
                 self._own_half_grad, self.grad, self.grad_views = self.grad, None, []
             self.free_own_grad()
-            if self._own_half_grad is None:
+            if self._own_half_grad is None or self._own_half_grad.numel() < h + w:  # none yet, or before a widen
                 self._own_half_grad = self._pins.empty(h + w)
             buf = self._own_half_grad
         self.half_grad = buf.view(torch.bfloat16)[:n]
