@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 import megatrain_lightning  # noqa: E402,F401  (registers strategy="megatrain")
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
 from megatrain_lightning.errors import ConfigError  # noqa: E402
-from zoo import TinyLlama, ZooModule  # noqa: E402
+from zoo import ScaledBlocks, TinyLlama, ZooModule  # noqa: E402
 
 
 def pss_bytes() -> int:
@@ -96,6 +96,7 @@ class Record(pl.Callback):
         self.losses: list[float] = []
         self.pss: list[int] = []
         self.arena_pss: list[int] = []
+        self.wide: list[int] = []
         self.store_bytes = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
@@ -103,10 +104,13 @@ class Record(pl.Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))  # the global batch's loss
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        mine = torch.tensor([pss_bytes(), arena_pss_bytes()], dtype=torch.int64)
-        every = trainer.strategy.all_gather(mine).reshape(-1, 2) if trainer.world_size > 1 else mine.reshape(1, 2)
-        self.pss, self.arena_pss = [int(x) for x in every[:, 0]], [int(x) for x in every[:, 1]]
         engine = trainer.strategy.engine
+        # weights of two or more dimensions each rank holds in fp32 on the device (engine/wide_weights.py)
+        wide = sum(1 for s in engine.stores for i in s.layout.wide if s.layout.params[i].dim() >= 2)
+        mine = torch.tensor([pss_bytes(), arena_pss_bytes(), wide], dtype=torch.int64)
+        every = trainer.strategy.all_gather(mine).reshape(-1, 3) if trainer.world_size > 1 else mine.reshape(1, 3)
+        self.pss, self.arena_pss = [int(x) for x in every[:, 0]], [int(x) for x in every[:, 1]]
+        self.wide = [int(x) for x in every[:, 2]]
         self.store_bytes = sum(t.numel() * t.element_size() for s in engine.all_stores() for t in s.shared_buffers())
 
 
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out")
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--model", default="llama", choices=["llama", "big"])
+    ap.add_argument("--model", default="llama", choices=["llama", "big", "scaled"])
+    ap.add_argument("--precision", default="32-true")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1)
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     pl.seed_everything(0, verbose=False)
     if args.model == "llama":
         module: pl.LightningModule = TinyLlama(optimizer="adamw", lr=3e-3, scheduler=True, batch_size=per_rank, n_train=n_train)
+    elif args.model == "scaled":  # layer scales of shape (1, dim): held in fp32 on the device under bf16-mixed
+        module = ScaledBlocks(dropout=0.0, optimizer="adamw", lr=3e-3, scheduler=True, batch_size=per_rank, n_train=n_train)
     else:
         module = BigBlocks(args.big_blocks, args.big_width, optimizer="adamw", lr=1e-4, scheduler=False,
                            batch_size=per_rank, n_train=n_train)
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(
         strategy=MegaTrainStrategy(skip_nonfinite=args.skip_nonfinite), accelerator="cpu", devices=local, num_nodes=args.nodes, max_steps=args.steps,
         logger=False, enable_checkpointing=bool(args.save), enable_progress_bar=False, enable_model_summary=False,
-        deterministic=True, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+        deterministic=True, precision=args.precision, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
         gradient_clip_val=args.clip or None, accumulate_grad_batches=args.accumulate, use_distributed_sampler=False,
     )
     pl.seed_everything(0, verbose=False)
@@ -175,12 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         opt = trainer.optimizers[0]
         state: dict = {}
         moments: dict = {}
-        if args.model == "llama":  # (the memory test's model: its weights are not compared, and would fill the disk)
+        if args.model != "big":  # (the memory test's model: its weights are not compared, and would fill the disk)
             state = {k: v.detach().clone() for k, v in module.state_dict().items()}
             moments = {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
                        for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
         torch.save({"losses": record.losses, "state": state, "moments": moments, "pss": record.pss,
-                    "arena_pss": record.arena_pss, "store_bytes": record.store_bytes, "world": world,
+                    "arena_pss": record.arena_pss, "wide": record.wide, "store_bytes": record.store_bytes, "world": world,
                     "steps": trainer.global_step, "skipped": trainer.strategy.precision_plugin.skipped_steps}, args.out)
 
 

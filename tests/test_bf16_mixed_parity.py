@@ -12,16 +12,16 @@ steps the run reached 53-96 % exact match where Lightning's reached 99.5 %.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
 from megatrain_lightning.engine.wide_weights import narrow_reads
-from zoo import TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe, UserBlocks
+from zoo import LoraGptOss, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
 
 STEPS = 12
 
@@ -54,27 +54,6 @@ def test_bf16_mixed_matches_lightning_step_for_step(factory: Any, engine: dict, 
 # ---- weights of two or more dimensions read outside autocast's matmuls (engine/wide_weights.py) ----------------------
 
 
-class ScaledBlock(nn.Module):
-    """x + gamma * dropout(MLP(LayerNorm(x))): a layer scale of shape (1, dim), read by a ``mul`` (in fp32 under
-    Lightning's bf16-mixed), and a dropout, so that the step run again must draw the masks the first attempt drew."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(1, dim))
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.gamma * self.drop(self.down(F.gelu(self.up(self.norm(x)))))
-
-
-class ScaledBlocks(UserBlocks):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.blocks = nn.ModuleList([ScaledBlock(32, 64) for _ in range(len(self.blocks))])
-
-
 @pytest.mark.parametrize(
     ("factory", "engine", "widened"),
     [
@@ -83,14 +62,19 @@ class ScaledBlocks(UserBlocks):
         (ScaledBlocks, dict(bf16_grads=False, cache_weights=2), 4),  # fp32 gradients; cached blocks
         (TinyGptOss, dict(), 8),  # its experts' biases, (experts, dim), gathered per token and added
         (TinyGptOss, dict(keep_activations=1, overlap_optimizer=False), 8),
+        (partial(ScaledBlocks, frozen_scale=True), dict(), 4),  # frozen: they compute in fp32 under Lightning too
+        (LoraGptOss, dict(), 8),
     ],
-    ids=["layer-scale", "layer-scale-kept-on-device", "layer-scale-fp32-grads-cached", "gpt-oss", "gpt-oss-kept"],
+    ids=["layer-scale", "layer-scale-kept-on-device", "layer-scale-fp32-grads-cached", "gpt-oss", "gpt-oss-kept",
+         "frozen-layer-scale", "gpt-oss-lora"],
 )
 def test_weights_read_outside_autocast_matmuls_train_as_under_lightning(
         factory: Any, engine: dict, widened: int, one_intra_op_thread: Any, caplog: Any) -> None:
     """Lightning's bf16-mixed reads such a weight in fp32; the engine held it in bf16 in the slots before, and the run
     drifted silently (GPT-OSS, 6 steps: 4.0e-4 in the loss, 9.1e-2 in the weights, relative). Now the first call
     finds it, it is held in fp32 on the device from then on and the first step runs again: the same bits."""
+    if factory is LoraGptOss:
+        pytest.importorskip("peft")
     ref = fit(factory, None, precision="bf16-mixed", max_steps=STEPS)
     with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
         got = fit(factory, megatrain(**engine), precision="bf16-mixed", max_steps=STEPS)

@@ -105,6 +105,17 @@ def test_two_simulated_nodes_of_two_ranks(one_rank: dict, tmp_path: Path) -> Non
     assert_same(one_rank, got)
 
 
+def test_bf16_weights_read_outside_matmuls_are_widened_on_every_rank(tmp_path: Path) -> None:
+    """bf16-mixed, layer scales of shape (1, dim) (engine/wide_weights.py): each rank's first step finds them,
+    holds them in fp32 and runs again, with no collective left waiting. Within 5e-3 of one rank (bf16
+    gradients of half the rows each, averaged in fp32, round apart from one rank's: 1.6e-4 in the losses,
+    1.1e-3 in the weights)."""
+    extra = ("--steps", "4", "--model", "scaled", "--precision", "bf16-mixed")
+    ref, got = run(tmp_path / "s1.pt", 1, 1, *extra), run(tmp_path / "s2.pt", 2, 1, *extra)
+    assert ref["wide"] == [4] and got["wide"] == [4, 4], (ref["wide"], got["wide"])
+    assert_same(ref, got, tol=5e-3)
+
+
 def test_clipping_and_accumulation(tmp_path: Path) -> None:
     """Global-norm clipping over a node-partitioned host state, and accumulation windows."""
     extra = ("--steps", "3", "--clip", "0.05", "--accumulate", "2")

@@ -18,6 +18,8 @@ Models:
     transformer  nn.Transformer encoder-decoder (decoder blocks take `memory` as a second
                  differentiable input), sequence reversal task
     user         the user's own nn.ModuleList of identical residual MLP blocks
+    scaled       the same with a layer scale of shape (1, dim) and a dropout (what bf16-mixed reads in fp32)
+    lora_gpt_oss peft's LoRA on the tiny GPT-OSS's attention (experts and their biases frozen)
     user_moe     the user's own hash-routed MoE blocks, experts stacked (3-d weights) or a ModuleList;
                  expert 3 gets no token in every odd micro-batch
     linear       an embedding and one nn.Linear: no repeated blocks (for the error test)
@@ -492,6 +494,41 @@ class UserBlocks(ZooModule):
             h = block(h)
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+class ScaledBlock(nn.Module):
+    """x + gamma * dropout(MLP(LayerNorm(x))): a layer scale of shape (1, dim), read by a ``mul`` (in fp32 under
+    Lightning's bf16-mixed), and a dropout, so that the step run again must draw the masks the first attempt drew."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(1, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class ScaledBlocks(UserBlocks):
+    """UserBlocks of ScaledBlock; ``frozen_scale``: the layer scales frozen."""
+
+    def __init__(self, frozen_scale: bool = False, dropout: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.blocks = nn.ModuleList([ScaledBlock(32, 64, dropout) for _ in range(len(self.blocks))])
+        for block in self.blocks:
+            block.gamma.requires_grad_(not frozen_scale)
+
+
+class LoraGptOss(TinyGptOss):
+    """peft's LoRA on GPT-OSS's attention: the experts, their biases among them, frozen."""
+
+    def build_model(self) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        return get_peft_model(super().build_model(), config)
 
 
 class HashMoEBlock(nn.Module):

@@ -57,9 +57,13 @@ class FirstCall:
         self.complete = not self.inference and not nested  # else a later call is checked again
         if not self.inference and not self.grad:
             args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        self.probed: set[int] = set()  # frozen weights made leaves for the walk of wide_weights.py alone
         if self.graph:
             flags = engine.requires_grad_flags(block)
-            weights = [w.detach().requires_grad_(f and w.is_floating_point()) for w, f in zip(weights, flags)]
+            probe = _frozen_narrow(engine.stores[block], weights, flags)
+            weights = [w.detach().requires_grad_((f or i in probe) and w.is_floating_point())
+                       for i, (w, f) in enumerate(zip(weights, flags))]
+            self.probed = {id(weights[i]) for i in probe}
         self.bound, self.args, self.kwargs = list(weights), args, kwargs
         self.inputs = [t for t in pytree.tree_leaves((args, kwargs))
                        if isinstance(t, torch.Tensor) and not t.is_inference()]
@@ -114,9 +118,9 @@ class FirstCall:
         self._foreign(out, names)
         recomputed = _recomputed_weights(self.module)
         escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
-                   if attrs.get((path, name)) is not t and t.grad_fn is not None and (path, name) not in recomputed]
+                   if attrs.get((path, name)) is not t and self._trained(t) and (path, name) not in recomputed]
         escaped += [f"the {type(c).__name__} passed as its {name}" for name, c in passed
-                    if any(t.grad_fn is not None and id(t) not in held[name] for t in _tensors_in(c))]
+                    if any(self._trained(t) and id(t) not in held[name] for t in _tensors_in(c))]
         if not self.graph:
             if escaped:
                 self._refuse_escaped(escaped)
@@ -127,14 +131,32 @@ class FirstCall:
         self._narrow_reads((out, side))
         out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)  # the graph goes with the last reference
         escaped += sorted({f"{self._qualified(path)}'s output (a forward hook)" for path, ref in hooked
-                           if (t := ref()) is not None and t.grad_fn is not None and not any(t is r for r in side)})
+                           if (t := ref()) is not None and self._trained(t) and not any(t is r for r in side)})
         if escaped:
             self._refuse_escaped(escaped)
         return out
 
+    def _trained(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has a gradient history the real call gives it too: one that reaches a leaf other than the
+        frozen weights made leaves for the walk alone (``probed``)."""
+        if t.grad_fn is None or not self.probed:
+            return t.grad_fn is not None
+        stack, seen = [t.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            leaf = getattr(node, "variable", None)
+            if leaf is not None and id(leaf) not in self.probed:
+                return True
+            stack.extend(n for n, _ in node.next_functions)
+        return False
+
     def _narrow_reads(self, out: Any) -> None:
-        """Raises :class:`NarrowRead` for the trainable weights of two or more dimensions, bf16 here and fp32 under
-        Lightning's bf16-mixed, that an op outside autocast's matmuls reads (``wide_weights.py``)."""
+        """Raises :class:`NarrowRead` for the weights of two or more dimensions, bf16 here and fp32 under Lightning's
+        bf16-mixed, that an op outside autocast's matmuls reads (``wide_weights.py``): trainable ones, and frozen ones
+        made leaves of the checked graph for this alone."""
         store = self.engine.stores[self.block]
         if store.dtype != torch.float32:
             return
@@ -211,6 +233,17 @@ class FirstCall:
 
     def _what(self) -> str:
         return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
+
+
+def _frozen_narrow(store: Any, weights: Sequence[torch.Tensor], flags: Sequence[bool]) -> set[int]:
+    """The frozen weights of two or more dimensions that the device holds narrower than their own fp32: the checked
+    graph makes them leaves, so that the walk of ``wide_weights.py`` sees what reads them."""
+    if store.dtype != torch.float32:
+        return set()
+    wide = set(store.layout.wide)
+    return {i for i, (w, f, p) in enumerate(zip(weights, flags, store.params))
+            if not f and i not in wide and w.dim() >= 2 and w.dtype in (torch.bfloat16, torch.float16)
+            and p.dtype == torch.float32}
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
