@@ -663,8 +663,19 @@ class MegaTrainStrategy(ParallelStrategy):
         """Validation, test and predict stream too; resident parameters go home right after."""
         self._settle()
         self._refresh_if_written()  # e.g. an EMA callback swapped the averaged weights in
-        with self._step(wait=True):
-            out = step(*args, **kwargs)
+        engine = self.engine
+        rng = _collect_rng_states() if engine is not None and len(engine.checked_blocks) < len(engine.blocks) else None
+        while True:
+            try:
+                with self._step(wait=True):
+                    out = step(*args, **kwargs)
+                break
+            except NarrowRead as exc:  # a first call with a graph (inference_mode=False): as in training_step
+                self._abort(exc)
+                read = exc
+            self._widen(read)
+            if rng is not None:
+                _set_rng_states(rng)
         self._settle()
         return out
 

@@ -117,3 +117,21 @@ def test_narrow_reads_names_the_op_that_reads_a_weight_outside_matmuls() -> None
             return x @ w[0].float()
 
     assert _reads(fp32_matmul, (8, 4)) == {0: "MmBackward0"}  # a matmul in fp32: Lightning's reads the fp32 weight
+
+
+def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thread: Any, caplog: Any) -> None:
+    """Trainer(inference_mode=False): the sanity check's validation runs the blocks' first calls with a graph (under
+    no_grad), so the weights to widen are found there, and the validation step runs again: its losses, the training
+    losses and the weights are Lightning's bits."""
+    factory = partial(ScaledBlocks, n_val=8)
+    kwargs = dict(precision="bf16-mixed", max_steps=4, inference_mode=False, num_sanity_val_steps=1,
+                  limit_val_batches=2, val_check_interval=2)
+    ref = fit(factory, None, **kwargs)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+        got = fit(factory, megatrain(), **kwargs)
+    assert_is_megatrain(got)
+    assert len([r for r in caplog.records if "outside autocast's matmuls" in r.getMessage()]) == 1
+    assert len(ref.module.val_losses) == len(got.module.val_losses) == 5  # the sanity check's batch, then 2 x 2
+    assert ref.module.val_losses == got.module.val_losses
+    compare_losses(ref.losses, got.losses, rtol=0.0)
+    compare_states(ref.state, got.state, rtol=1e-7)

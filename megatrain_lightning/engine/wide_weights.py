@@ -6,10 +6,11 @@ the weights fp32, and autocast casts them to bf16 only for the ops on its lower-
 convolutions, attention); every other op reads the fp32 weight: a layer scale of shape ``(1, dim)`` in a ``mul``,
 Mamba's ``A_log`` in an ``exp``, T5's relative position bias in an ``embedding``, GPT-OSS's expert biases in an
 ``add``. A slot holds the one-dimensional weights in fp32 beside the bf16 ones (``layout.py``); a weight of more
-dimensions that such an op reads is found by its block's checked first call (``first_call.py``) in the graph that
-call builds, and the call raises :class:`NarrowRead`. The caller (``strategy.py``) has the engine keep those
-weights in fp32 in the slots from then on (:meth:`StreamingEngine.widen`, the same names in every block of the
-class) and runs the step again: nothing of it had been updated.
+dimensions that such an op reads (trainable, or frozen with an fp32 host copy) is found by its block's checked first
+call (``first_call.py``) in the graph that call builds, and the call raises :class:`NarrowRead`. The caller
+(``strategy.py``: a training, validation, test or predict step) has the engine keep those weights in fp32 in the
+slots from then on (:func:`widen`, the same names in every block of the class) and runs the step again from its
+random state: nothing of it had been updated.
 
 The graph is walked from each such weight's leaf through the ops that only move or gather its values (views,
 copies, ``cat``, indexing; dtype casts too), up to the first op that computes with them. That op is a rounding
@@ -63,9 +64,10 @@ class NarrowRead(RuntimeError):
         read = ", ".join(f"{n} ({o})" for n, o in zip(names[:4], ops[:4]))
         super().__init__(
             f"MegaTrainStrategy: block {block} ({module}) reads {read} outside autocast's matmuls, where Lightning's "
-            "bf16-mixed reads the fp32 weights. MegaTrainStrategy keeps these weights in fp32 on the device and runs "
-            "the step again; called outside its training step (a forward with grad from a callback or a hook), call "
-            "again: the engine has widened them (StreamingEngine.widen).")
+            "bf16-mixed reads the fp32 weights. When a training, validation, test or predict step raises this, the "
+            "strategy holds these weights in fp32 on the device and runs the step again; this forward ran outside "
+            "them (in a callback or a hook, with grad or under no_grad): run it inside a step, or after the first "
+            "training step.")
 
 
 def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence[int]) -> dict[int, str]:
