@@ -107,7 +107,9 @@ def test_narrow_reads_names_the_op_that_reads_a_weight_outside_matmuls() -> None
     assert _reads(lambda w: F.linear(x, w[0]) @ w[1].t().contiguous()[:, :2], (8, 8), (4, 8)) == {}
     assert _reads(lambda w: torch.einsum("bsi,eij->bsej", x, w[0]), (2, 8, 4)) == {}  # views, then a bmm
     assert _reads(lambda w: F.linear(x, w[0]) * w[1], (8, 8), (1, 8)) == {1: "MulBackward0"}  # a layer scale
-    assert _reads(lambda w: F.embedding(ids, w[0]), (5, 8)) == {0: "EmbeddingBackward0"}  # T5's position bias
+    assert _reads(lambda w: F.embedding(ids, w[0]) + x, (5, 8)) == {0: "AddBackward0"}  # CLIP's position embedding
+    assert _reads(lambda w: F.embedding(ids, w[0]), (5, 8)) == {0: "EmbeddingBackward0"}  # it leaves the block so
+    assert _reads(lambda w: F.embedding(ids, w[0]) @ w[1], (5, 8), (8, 4)) == {}  # gathered, then a matmul
     assert _reads(lambda w: x @ torch.exp(w[0].float()), (8, 4)) == {0: "ExpBackward0"}  # Mamba's A_log
     assert _reads(lambda w: F.linear(x, w[0]) + w[1][ids], (8, 8), (5, 8)) == {1: "AddBackward0"}  # expert biases
     assert _reads(lambda w: x @ w[0].float(), (8, 4)) == {}  # widened, then cast back by autocast's matmul

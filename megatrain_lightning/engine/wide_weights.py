@@ -13,7 +13,8 @@ slots from then on (:func:`widen`, the same names in every block of the class) a
 random state: nothing of it had been updated.
 
 The graph is walked from each such weight's leaf through the ops that only move or gather its values (views,
-copies, ``cat``, indexing; dtype casts too), up to the first op that computes with them. That op is a rounding
+copies, ``cat``, indexing, ``embedding``; dtype casts too), up to the first op that computes with them, or the
+block's outputs (which then carry the weight's values, fp32 under Lightning's). That op is a rounding
 one (what autocast casts to bf16, or an op that needs its inputs in one dtype) whose output is in the compute
 dtype: the weight was cast there under Lightning's bf16-mixed too, the same bits. Any other op of torch's reads
 the weight's bf16 copy where Lightning's reads it in fp32. Ops of one's own (``autograd.Function``, custom C++
@@ -52,6 +53,7 @@ MOVING = frozenset({
     "RepeatBackward0", "FlipBackward0", "RollBackward0", "MaskedSelectBackward0", "TakeBackward0",
     "NarrowBackward0", "ToCopyBackward0", "LiftFreshBackward0", "ViewAsRealBackward0", "ViewAsComplexBackward0",
     "ValuesBackward0", "PixelShuffleBackward0", "PixelUnshuffleBackward0", "ChannelShuffleBackward0",
+    "EmbeddingBackward0",
 })
 
 
@@ -79,6 +81,7 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
     parents: dict[int, list[Any]] = {}  # node -> the nodes that read its output
     accumulators: dict[int, Any] = {}
     stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    roots = {id(node) for node in stack}  # what leaves the block: fp32 under Lightning's if a weight's values are
     seen: set[int] = set()
     while stack:
         node = stack.pop()
@@ -104,6 +107,9 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
             visited.add(id(node))
             name = node.name()
             if name in MOVING:
+                if id(node) in roots:  # its values leave the block as they are (the next block reads them)
+                    found[i] = name
+                    break
                 todo.extend(parents.get(id(node), ()))
             elif name in ROUNDING:
                 if _output_dtype(node, narrow) != narrow:  # a matmul in fp32 (autocast off) of the widened copy
