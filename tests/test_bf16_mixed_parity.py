@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compat_zoo import CausalLMModule, build_causal_lm
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
 from megatrain_lightning.engine.wide_weights import narrow_reads
 from zoo import LoraGptOss, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
@@ -135,5 +136,41 @@ def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thr
     assert len([r for r in caplog.records if "outside autocast's matmuls" in r.getMessage()]) == 1
     assert len(ref.module.val_losses) == len(got.module.val_losses) == 5  # the sanity check's batch, then 2 x 2
     assert ref.module.val_losses == got.module.val_losses
+    compare_losses(ref.losses, got.losses, rtol=0.0)
+    compare_states(ref.state, got.state, rtol=1e-7)
+
+
+class PeftScalingLM(CausalLMModule):
+    """A tiny Llama under one of peft's methods whose weights of two dimensions an op outside the matmuls reads: IA3's
+    scaling vectors (a mul), LoKr's Kronecker factors, OFT's skew-symmetric blocks (an index_put), HRA's reflections
+    (a norm). Under Lightning's bf16-mixed those read fp32; each drifted here before they were widened."""
+
+    def __init__(self, method: str = "ia3", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def build(self) -> Any:
+        import peft
+
+        attn = ["q_proj", "v_proj"]
+        config = {
+            "ia3": lambda: peft.IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+                                          feedforward_modules=["down_proj"]),
+            "lokr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=attn),
+            "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=attn),
+            "hra": lambda: peft.HRAConfig(r=4, target_modules=attn),
+        }[self.hparams.method]()
+        return peft.get_peft_model(build_causal_lm("llama"), config)
+
+
+@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra"])
+def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str, one_intra_op_thread: Any,
+                                                                    caplog: Any) -> None:
+    pytest.importorskip("peft")
+    factory = partial(PeftScalingLM, method=method)
+    ref = fit(factory, None, precision="bf16-mixed", max_steps=6)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+        got = fit(factory, megatrain(), precision="bf16-mixed", max_steps=6)
+    assert_is_megatrain(got)
+    assert any("outside autocast's matmuls" in r.getMessage() for r in caplog.records)
     compare_losses(ref.losses, got.losses, rtol=0.0)
     compare_states(ref.state, got.state, rtol=1e-7)
