@@ -60,6 +60,7 @@ class MegaTrainPrecision(Precision):
         # trying one may run out of device memory and run again on a smaller one.
         self.placement: Any = None
         self.skipped_steps = 0  # over the run
+        self.steps_run = 0  # optimizer steps that returned, over the run (a training step may be run again before one)
         self._consecutive = 0
         self._skip_window = False  # a micro-batch of the current accumulation window had a non-finite loss
         self.interrupts = DeferredInterrupt()
@@ -157,6 +158,7 @@ class MegaTrainPrecision(Precision):
                 self.on_abort(exc)
             raise
         self.interrupts.release()  # a held Ctrl-C is raised once Lightning has counted the step
+        self.steps_run += 1
         return closure_result
 
     def _step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any]) -> Any:

@@ -504,10 +504,17 @@ class MegaTrainStrategy(ParallelStrategy):
         engine = self.engine
         rng = _collect_rng_states() if engine is not None and len(engine.checked_blocks) < len(engine.blocks) else None
         while True:
-            read = None
+            read, stepped = None, self.precision_plugin.steps_run
             try:
                 return self._training_step(*args, **kwargs)
             except NarrowRead as exc:
+                if self.precision_plugin.steps_run != stepped:  # manual optimisation: the step cannot run again
+                    exc.add_note(
+                        "MegaTrainStrategy: an optimizer step of this training step had run before this block's first "
+                        "call, so the training step cannot run again. Call every block once before the first "
+                        "opt.step() of a training step (the first training step decides which weights stay fp32), or "
+                        "train with precision='32-true'.")
+                    raise
                 read = exc
             except torch.OutOfMemoryError:
                 if self.placement is None or not self.placement.can_back_off:
@@ -524,8 +531,8 @@ class MegaTrainStrategy(ParallelStrategy):
                 _set_rng_states(rng)
 
     def _widen(self, read: NarrowRead) -> None:
-        names = widen(self.engine, read)
-        numel = sum(self.engine.root.get_parameter(n).numel() for n in names)
+        widened = widen(self.engine, read)
+        names, numel = [n for n, _ in widened], sum(k for _, k in widened)
         log.info(
             "MegaTrainStrategy: %d weights (%s%s; %.2f MB in fp32) are read outside autocast's matmuls (%s), where "
             "Lightning's bf16-mixed reads them in fp32: kept in fp32 on the device from now on, as one-dimensional "

@@ -18,11 +18,12 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from compat_zoo import CausalLMModule, build_causal_lm
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
-from megatrain_lightning.engine.wide_weights import narrow_reads
-from zoo import LoraGptOss, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
+from megatrain_lightning.engine.wide_weights import NarrowRead, narrow_reads
+from zoo import LoraGptOss, ScaledBlock, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
 
 STEPS = 12
 
@@ -174,3 +175,39 @@ def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str,
     assert any("outside autocast's matmuls" in r.getMessage() for r in caplog.records)
     compare_losses(ref.losses, got.losses, rtol=0.0)
     compare_states(ref.state, got.state, rtol=1e-7)
+
+
+class _LaterBlock(ScaledBlock):
+    """A second class of blocks, first called after the training step's optimizer step."""
+
+
+class StepsBetween(ScaledBlocks):
+    """Manual optimisation: the first blocks, an optimizer step, then blocks of another class for the first time."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(dropout=0.0, **kwargs)
+        self.automatic_optimization = False
+        self.later = nn.ModuleList([_LaterBlock(32, 64, 0.0) for _ in range(2)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        (x,) = batch
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        loss = self.head(self.norm(h)).float().logsumexp(-1).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        h = h.detach()
+        for block in self.later:
+            h = block(h)
+        return loss
+
+
+def test_a_block_first_called_after_an_optimizer_step_is_refused_not_run_again(one_intra_op_thread: Any) -> None:
+    """The step cannot run again once its optimizer stepped (its update would apply twice): the error says so."""
+    fit(StepsBetween, None, precision="bf16-mixed", max_steps=2)
+    with pytest.raises(NarrowRead, match="_LaterBlock") as info:
+        fit(StepsBetween, megatrain(), precision="bf16-mixed", max_steps=2)
+    assert any("cannot run again" in note for note in getattr(info.value, "__notes__", []))

@@ -130,15 +130,15 @@ def _output_dtype(node: Any, default: torch.dtype) -> torch.dtype:
         return default
 
 
-def widen(engine: Any, read: NarrowRead) -> list[str]:
+def widen(engine: Any, read: NarrowRead) -> list[tuple[str, int]]:
     """Between steps (after ``engine.abort_step``): the weights ``read`` names, in its block and in every block of the
     same class that has them, held in fp32 in the device slots from now on; the slots are laid out again, the host
-    state untouched (``placement.replace``). Returns their paths in the model."""
+    state untouched (``placement.replace``). Returns their paths in the model and sizes."""
     from .placement import replace
 
     module = engine.blocks[read.block]
     paths = {id(m): n for n, m in engine.root.named_modules()}
-    widened: list[str] = []
+    widened: list[tuple[str, int]] = []
     for j, (block, store) in enumerate(zip(engine.blocks, engine.stores)):
         if type(block) is not type(module):
             continue
@@ -148,6 +148,6 @@ def widen(engine: Any, read: NarrowRead) -> list[str]:
         new = set(store.layout.widen(list(at.values())))
         if j == read.block and not new:
             raise RuntimeError(f"{read} (found no weights of the block to widen: a bug, please report it)") from read
-        widened += [f"{paths.get(id(block), '?')}.{n}" for n, k in at.items() if k in new]
+        widened += [(f"{paths.get(id(block), '?')}.{n}", params[n].numel()) for n, k in at.items() if k in new]
     replace(engine, engine.config)
     return widened
