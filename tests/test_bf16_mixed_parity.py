@@ -7,6 +7,10 @@ masters, so it keeps the one-dimensional weights (norm gains, biases) of each de
 (``FlatStore.hold_half_grad``). Before, those gains were rounded to bf16 in the forward: after 30 steps of
 the embedded arithmetic task the losses differed by 1.1e-4 and the weights by 7.8e-4, and over 1,000
 steps the run reached 53-96 % exact match where Lightning's reached 99.5 %.
+
+Weights of more dimensions that an op other than a matmul reads (a layer scale, GPT-OSS's expert biases, peft's IA3
+vectors) are found by each block's first call and held in fp32 too, the step run again (``engine/wide_weights.py``):
+the second half of this file, each case of which drifted before.
 """
 
 from __future__ import annotations
