@@ -148,7 +148,8 @@ def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thr
 class PeftScalingLM(CausalLMModule):
     """A tiny Llama under one of peft's methods whose weights of two dimensions an op outside the matmuls reads: IA3's
     scaling vectors (a mul), LoKr's Kronecker factors, OFT's skew-symmetric blocks (an index_put), HRA's reflections
-    (a norm). Under Lightning's bf16-mixed those read fp32; each drifted here before they were widened."""
+    (a norm); LoHa, C3A and RandLoRA compute theirs inside their own autograd.Function. Under Lightning's bf16-mixed
+    those read fp32; each drifted here before they were widened."""
 
     def __init__(self, method: str = "ia3", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -163,11 +164,14 @@ class PeftScalingLM(CausalLMModule):
             "lokr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=attn),
             "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=attn),
             "hra": lambda: peft.HRAConfig(r=4, target_modules=attn),
+            "loha": lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=attn),
+            "c3a": lambda: peft.C3AConfig(block_size=8, target_modules=attn),
+            "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=attn),
         }[self.hparams.method]()
         return peft.get_peft_model(build_causal_lm("llama"), config)
 
 
-@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra"])
+@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra", "loha", "c3a", "randlora"])
 def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str, one_intra_op_thread: Any,
                                                                     caplog: Any) -> None:
     pytest.importorskip("peft")

@@ -17,8 +17,10 @@ copies, ``cat``, indexing, ``embedding``; dtype casts too), up to the first op t
 block's outputs (which then carry the weight's values, fp32 under Lightning's). That op is a rounding
 one (what autocast casts to bf16, or an op that needs its inputs in one dtype) whose output is in the compute
 dtype: the weight was cast there under Lightning's bf16-mixed too, the same bits. Any other op of torch's reads
-the weight's bf16 copy where Lightning's reads it in fp32. Ops of one's own (``autograd.Function``, custom C++
-ops) are not judged: they are taken as rounding.
+the weight's bf16 copy where Lightning's reads it in fp32. So does a library's ``autograd.Function`` (peft's LoHa,
+C3A and RandLoRA compute their adapters' weights in one): it is handed the fp32 weight under Lightning's, and its
+backward runs outside autocast, in that weight's dtype. Torch's own Functions and this package's (the chunked MLP
+runs its matmuls inside one) are taken as rounding, and so are custom C++ ops.
 """
 
 from __future__ import annotations
@@ -118,7 +120,18 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
             elif name[-1:].isdigit() and name.rstrip("0123456789").endswith("Backward"):  # one of torch's ops
                 found[i] = name
                 break
+            elif _foreign_function(node):  # a library's autograd.Function: see the module's docstring
+                found[i] = name
+                break
     return found
+
+
+def _foreign_function(node: Any) -> bool:
+    """Whether ``node`` is the backward of an ``autograd.Function`` of neither torch nor this package: it receives
+    the fp32 weight under Lightning's bf16-mixed, and its backward runs outside autocast, in the weight's dtype."""
+    cls = getattr(node, "_forward_cls", None)
+    module = getattr(cls, "__module__", None) or ""
+    return cls is not None and not module.startswith(("torch.", "megatrain_lightning."))
 
 
 def _output_dtype(node: Any, default: torch.dtype) -> torch.dtype:
