@@ -499,10 +499,7 @@ class MegaTrainStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.placement is not None:
             self.placement.before_micro_batch()  # may take a new placement (the engine is between steps)
-        # while a block's first call is to come (it may find weights to widen), the step's random state, so that
-        # a step run again draws what it drew (dropout) and trains as the default strategy's single run
-        engine = self.engine
-        rng = _collect_rng_states() if engine is not None and len(engine.checked_blocks) < len(engine.blocks) else None
+        rng = self._rng_for_a_rerun()
         while True:
             read, stepped = None, self.precision_plugin.steps_run
             try:
@@ -529,6 +526,15 @@ class MegaTrainStrategy(ParallelStrategy):
                 self.placement.out_of_memory()
             if rng is not None:
                 _set_rng_states(rng)
+
+    def _rng_for_a_rerun(self) -> dict | None:
+        """While a block's first call is to come under a narrow compute dtype (it may find weights to widen: the step
+        then runs again), the step's random state, so that the rerun draws what it drew (dropout) and trains as the
+        default strategy's single run; else None (nothing collected)."""
+        engine = self.engine
+        if engine is None or engine.compute_dtype == torch.float32 or len(engine.checked_blocks) == len(engine.blocks):
+            return None
+        return _collect_rng_states()
 
     def _widen(self, read: NarrowRead) -> None:
         widened = widen(self.engine, read)
@@ -670,8 +676,7 @@ class MegaTrainStrategy(ParallelStrategy):
         """Validation, test and predict stream too; resident parameters go home right after."""
         self._settle()
         self._refresh_if_written()  # e.g. an EMA callback swapped the averaged weights in
-        engine = self.engine
-        rng = _collect_rng_states() if engine is not None and len(engine.checked_blocks) < len(engine.blocks) else None
+        rng = self._rng_for_a_rerun()
         while True:
             try:
                 with self._step(wait=True):

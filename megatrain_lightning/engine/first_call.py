@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
-from .wide_weights import NarrowRead, narrow_reads
+from .wide_weights import NarrowRead, narrow_candidates, narrow_reads
 
 _FIX = "or stream another level with block_class=..."
 
@@ -60,7 +60,8 @@ class FirstCall:
         self.probed: set[int] = set()  # frozen weights made leaves for the walk of wide_weights.py alone
         if self.graph:
             flags = engine.requires_grad_flags(block)
-            probe = _frozen_narrow(engine.stores[block], weights, flags)
+            # frozen weights held narrower than their fp32: leaves too, so that the walk of wide_weights.py sees them
+            probe = {i for i in narrow_candidates(engine.stores[block], weights) if not flags[i]}
             weights = [w.detach().requires_grad_((f or i in probe) and w.is_floating_point())
                        for i, (w, f) in enumerate(zip(weights, flags))]
             self.probed = {id(weights[i]) for i in probe}
@@ -157,12 +158,7 @@ class FirstCall:
         """Raises :class:`NarrowRead` for the weights of two or more dimensions, bf16 here and fp32 under Lightning's
         bf16-mixed, that an op outside autocast's matmuls reads (``wide_weights.py``): trainable ones, and frozen ones
         made leaves of the checked graph for this alone."""
-        store = self.engine.stores[self.block]
-        if store.dtype != torch.float32:
-            return
-        wide = set(store.layout.wide)
-        candidates = [i for i, t in enumerate(self.bound) if i not in wide and t.dim() >= 2
-                      and t.dtype in (torch.bfloat16, torch.float16)]
+        candidates = narrow_candidates(self.engine.stores[self.block], self.bound)
         found = narrow_reads(out, self.bound, candidates) if candidates else {}
         if found:
             paths = {id(t): n for n, t in self.module.named_parameters(remove_duplicate=False)}
@@ -233,17 +229,6 @@ class FirstCall:
 
     def _what(self) -> str:
         return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
-
-
-def _frozen_narrow(store: Any, weights: Sequence[torch.Tensor], flags: Sequence[bool]) -> set[int]:
-    """The frozen weights of two or more dimensions that the device holds narrower than their own fp32: the checked
-    graph makes them leaves, so that the walk of ``wide_weights.py`` sees what reads them."""
-    if store.dtype != torch.float32:
-        return set()
-    wide = set(store.layout.wide)
-    return {i for i, (w, f, p) in enumerate(zip(weights, flags, store.params))
-            if not f and i not in wide and w.dim() >= 2 and w.dtype in (torch.bfloat16, torch.float16)
-            and p.dtype == torch.float32}
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)

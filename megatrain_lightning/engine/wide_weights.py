@@ -30,6 +30,8 @@ from typing import Any, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .placement import replace
+
 # Ops that round the weight to the compute dtype under Lightning's bf16-mixed: autocast's lower-precision list, and
 # the ones that need their inputs in one dtype (an fp32 weight would have been cast by the model to run at all).
 ROUNDING = frozenset({
@@ -72,6 +74,17 @@ class NarrowRead(RuntimeError):
             "strategy holds these weights in fp32 on the device and runs the step again; this forward ran outside "
             "them (in a callback or a hook, with grad or under no_grad): run it inside a step, or after the first "
             "training step.")
+
+
+def narrow_candidates(store: Any, weights: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of ``weights`` (a block's, in its store's layout order) that the device holds in a narrow dtype where
+    Lightning's bf16-mixed holds fp32: two or more dimensions, bf16/fp16, not yet wide, over fp32 host masters (a
+    compact store's bf16 masters and frozen weights kept in their own narrow dtype read the same bits as there)."""
+    if store.dtype != torch.float32:
+        return []
+    wide = set(store.layout.wide)
+    return [i for i, (w, p) in enumerate(zip(weights, store.params)) if i not in wide and w.dim() >= 2
+            and w.dtype in (torch.bfloat16, torch.float16) and p.dtype == torch.float32]
 
 
 def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence[int]) -> dict[int, str]:
@@ -147,8 +160,6 @@ def widen(engine: Any, read: NarrowRead) -> list[tuple[str, int]]:
     """Between steps (after ``engine.abort_step``): the weights ``read`` names, in its block and in every block of the
     same class that has them, held in fp32 in the device slots from now on; the slots are laid out again, the host
     state untouched (``placement.replace``). Returns their paths in the model and sizes."""
-    from .placement import replace
-
     module = engine.blocks[read.block]
     paths = {id(m): n for n, m in engine.root.named_modules()}
     widened: list[tuple[str, int]] = []
