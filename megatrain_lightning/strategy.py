@@ -540,9 +540,10 @@ class MegaTrainStrategy(ParallelStrategy):
         widened = widen(self.engine, read)
         names, numel = [n for n, _ in widened], sum(k for _, k in widened)
         log.info(
-            "MegaTrainStrategy: %d weights (%s%s; %.2f MB in fp32) are read outside autocast's matmuls (%s), where "
-            "Lightning's bf16-mixed reads them in fp32: kept in fp32 on the device from now on, as one-dimensional "
-            "weights are, and the step runs again.", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
+            "MegaTrainStrategy: %d weights (%s%s; %.2f MB in fp32) are read outside autocast's matmuls, or their "
+            "dtype sets another tensor's (%s), where Lightning's bf16-mixed has them in fp32: kept in fp32 on the "
+            "device from now on, as one-dimensional weights are, and the step runs again.",
+            len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
             numel * 4 / 1e6, ", ".join(sorted(set(read.ops))))
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -26,7 +26,7 @@ from torch import nn
 
 from compat_zoo import CausalLMModule, build_causal_lm
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
-from megatrain_lightning.engine.wide_weights import NarrowRead, narrow_reads
+from megatrain_lightning.engine.wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_reads
 from zoo import LoraGptOss, ScaledBlock, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
 
 STEPS = 12
@@ -102,9 +102,10 @@ def test_weights_read_only_by_matmuls_stay_narrow(one_intra_op_thread: Any, capl
 
 def _reads(build: Callable[[list[torch.Tensor]], torch.Tensor], *shapes: tuple[int, ...]) -> dict[int, str]:
     weights = [torch.randn(*s, dtype=torch.bfloat16).requires_grad_() for s in shapes]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    watch = GraphNodes({id(w): i for i, w in enumerate(weights)})
+    with torch.autocast("cpu", dtype=torch.bfloat16), watch:
         out = build(weights)
-    return narrow_reads(out, weights, range(len(weights)))
+    return {**watch.reads, **narrow_reads(out, weights, range(len(weights)), watch.nodes)}
 
 
 def test_narrow_reads_names_the_op_that_reads_a_weight_outside_matmuls() -> None:
@@ -125,6 +126,44 @@ def test_narrow_reads_names_the_op_that_reads_a_weight_outside_matmuls() -> None
             return x @ w[0].float()
 
     assert _reads(fp32_matmul, (8, 4)) == {0: "MmBackward0"}  # a matmul in fp32: Lightning's reads the fp32 weight
+
+    def detached_norm(w: list[torch.Tensor]) -> torch.Tensor:  # DoRA's: the norm leaves the graph
+        return F.linear(x, w[0]) / torch.linalg.norm(w[0].float() + 1, dim=1).detach()
+
+    assert _reads(detached_norm, (8, 8)) == {0: "AddBackward0"}
+
+    def through_data(w: list[torch.Tensor]) -> torch.Tensor:  # SHiRA's: an update added into its base's .data
+        merged = w[0].data.clone()
+        merged += 0.5
+        return F.linear(x, merged)
+
+    assert _reads(through_data, (8, 8)) == {0: "add_"}
+    assert _reads(lambda w: F.linear(x, w[0].data.clone().t().t()), (8, 8)) == {}  # moved, then a matmul
+
+    def under_no_grad(w: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            scale = w[0].abs().amax()
+        return F.linear(x, w[0]) / scale
+
+    assert _reads(under_no_grad, (8, 8)) == {0: "abs"}
+
+
+def test_dtype_reads_finds_a_weight_whose_dtype_sets_another_tensors() -> None:
+    """peft's LoRA casts its input to lora_A's dtype before its dropout: fp32 under Lightning's bf16-mixed. lora_B
+    starts at zeros, which would hide it; the probe binds random values there."""
+    x = torch.randn(4, 8)
+    lora_a, lora_b, base = (torch.randn(2, 8).bfloat16(), torch.zeros(8, 2).bfloat16(), torch.randn(8, 8).bfloat16())
+
+    def run(swaps: dict[int, torch.Tensor], dropout: bool) -> list[torch.Tensor]:
+        a, b, w = (swaps.get(i, t) for i, t in enumerate((lora_a, lora_b, base)))
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x.to(a.dtype)
+            h = F.dropout(h, 0.1) if dropout else h
+            return [F.linear(x, w) + F.linear(F.linear(h, a), b)]
+
+    assert dtype_reads(partial(run, dropout=True), [lora_a, lora_b, base], [0, 1, 2]) == {0: "its dtype"}
+    assert dtype_reads(partial(run, dropout=False), [lora_a, lora_b, base], [0, 1, 2]) == {}  # rounded the same
 
 
 def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thread: Any, caplog: Any) -> None:
@@ -167,11 +206,18 @@ class PeftScalingLM(CausalLMModule):
             "loha": lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=attn),
             "c3a": lambda: peft.C3AConfig(block_size=8, target_modules=attn),
             "randlora": lambda: peft.RandLoraConfig(r=4, target_modules=attn),
+            # the input cast to lora_A's dtype (fp32 under Lightning's), then dropped out: lora_A's dtype matters
+            "lora-dropout": lambda: peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=attn),
+            # that cast again, and DoRA's weight norm (detached) reads the base weight
+            "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=attn),
+            "miss": lambda: peft.MissConfig(r=4, target_modules=attn),  # the input cast to the adapter's dtype
+            "shira": lambda: peft.ShiraConfig(r=4, target_modules=attn),  # the base weight read through .data
         }[self.hparams.method]()
         return peft.get_peft_model(build_causal_lm("llama"), config)
 
 
-@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra", "loha", "c3a", "randlora"])
+@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra", "loha", "c3a", "randlora", "lora-dropout", "dora", "miss",
+                                    "shira"])
 def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str, one_intra_op_thread: Any,
                                                                     caplog: Any) -> None:
     pytest.importorskip("peft")

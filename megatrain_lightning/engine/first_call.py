@@ -20,8 +20,11 @@ only walked: its activations are freed as they would be without it). Under ``tor
 test, predict) nothing is checked: there is no graph and no backward. What transformers records in the call
 (router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it as extra outputs.
 
-Under a narrow compute dtype the same graph shows the weights that an op outside autocast's matmuls reads
-(``wide_weights.py``): the call raises ``NarrowRead``, for the step to run again with them held in fp32.
+Under a narrow compute dtype the same graph shows the weights that an op outside autocast's matmuls reads, and a
+few more runs of the forward without a graph (two, and one per weight of two or more dimensions, from the same
+random state; once per class of block, not for a block handed a KV cache or a container) the weights whose dtype
+changes what it computes (``wide_weights.py``): the call raises ``NarrowRead``, for the step to run again with them
+held in fp32. Those runs call the block's forward hooks too.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
-from .wide_weights import NarrowRead, narrow_candidates, narrow_reads
+from .compiled import WHOLE_IMPLEMENTATIONS, experts_of
+from .wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_candidates, narrow_reads
 
 _FIX = "or stream another level with block_class=..."
+# per engine, the (class of block, candidates) whose weights' dtypes were probed (wide_weights.dtype_reads)
+_DTYPES_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[type, tuple[int, ...]]]] = weakref.WeakKeyDictionary()
 
 
 class FirstCall:
@@ -58,6 +64,7 @@ class FirstCall:
         if not self.inference and not self.grad:
             args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
         self.probed: set[int] = set()  # frozen weights made leaves for the walk of wide_weights.py alone
+        self.narrow = not self.inference and bool(narrow_candidates(engine.stores[block], weights))
         if self.graph:
             flags = engine.requires_grad_flags(block)
             # frozen weights held narrower than their fp32: leaves too, so that the walk of wide_weights.py sees them
@@ -88,11 +95,12 @@ class FirstCall:
         # activations at a time interleaved with the saved block inputs fragmented the allocator: peak
         # reserved grew with depth, 48 - 12 Llama blocks 1.547 GiB against the 1.125 of the inputs, H100).
         discard = torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked) if self.graph else nullcontext()
-        rng = _rng_states(self.engine.streams.device) if self.graph else None
+        rng = _rng_states(self.engine.streams.device) if self.graph or self.narrow else None
         recorded = side_outputs.lengths() if self.graph else None  # router logits the call records, with a graph
+        nodes = self._watch()  # for the walk of wide_weights.py (its nodes held till its end)
         try:
             try:
-                with torch.enable_grad(), discard:
+                with torch.enable_grad(), discard, nodes:
                     out = call(self.args, self.kwargs)
             except RuntimeError as err:
                 if not (self.graph and _differentiates_inside(err)):
@@ -103,7 +111,8 @@ class FirstCall:
                 _restore_rng(rng)
                 hooked.clear()
                 side_outputs.detach_since(recorded, drop=True)
-                with torch.enable_grad():
+                nodes = self._watch()
+                with torch.enable_grad(), nodes:
                     out = call(self.args, self.kwargs)
         except RuntimeError as err:  # a kept block's inputs and weights are leaves that require grad
             if "leaf Variable that requires grad is being used in an in-place operation" in str(err):
@@ -126,10 +135,10 @@ class FirstCall:
             if escaped:
                 self._refuse_escaped(escaped)
             if self.grad:
-                self._narrow_reads(out)
+                self._narrow_reads(out, nodes, call, rng)
             return out if self.grad else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         side = side_outputs.detach_since(recorded)  # the Function returns them (side_outputs.py): not escaped
-        self._narrow_reads((out, side))
+        self._narrow_reads((out, side), nodes, call, rng)
         out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)  # the graph goes with the last reference
         escaped += sorted({f"{self._qualified(path)}'s output (a forward hook)" for path, ref in hooked
                            if (t := ref()) is not None and self._trained(t) and not any(t is r for r in side)})
@@ -154,16 +163,65 @@ class FirstCall:
             stack.extend(n for n, _ in node.next_functions)
         return False
 
-    def _narrow_reads(self, out: Any) -> None:
+    def _narrow_reads(self, out: Any, nodes: Any, call: Callable[[tuple, dict], Any], rng: Any) -> None:
         """Raises :class:`NarrowRead` for the weights of two or more dimensions, bf16 here and fp32 under Lightning's
-        bf16-mixed, that an op outside autocast's matmuls reads (``wide_weights.py``): trainable ones, and frozen ones
-        made leaves of the checked graph for this alone."""
+        bf16-mixed, that an op outside autocast's matmuls reads or whose dtype changes what the block computes
+        (``wide_weights.py``): trainable ones, and frozen ones made leaves of the checked graph for this alone."""
         candidates = narrow_candidates(self.engine.stores[self.block], self.bound)
-        found = narrow_reads(out, self.bound, candidates) if candidates else {}
+        if not candidates:
+            return
+        found = {**getattr(nodes, "reads", {}), **narrow_reads(out, self.bound, candidates, getattr(nodes, "nodes", ()))}
+        probed = _DTYPES_PROBED.setdefault(self.engine, set())
+        if not found and (type(self.module), tuple(candidates)) not in probed and self._rerunnable():
+            probed.add((type(self.module), tuple(candidates)))
+            grouped = {id(m) for m in experts_of(self.module)
+                       if getattr(getattr(m, "config", None), "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS}
+            sites = self.engine.bindings[self.block].param_sites
+            try:
+                found = dtype_reads(lambda swaps: self._rerun(call, rng, swaps), self.bound,
+                                    [i for i in candidates if not any(id(m) in grouped for m, _ in sites[i])])
+            except Exception:  # a forward that cannot run without a graph (one differentiating inside): unprobed
+                found = {}
         if found:
             paths = {id(t): n for n, t in self.module.named_parameters(remove_duplicate=False)}
             raise NarrowRead(self.block, type(self.module).__name__,
                              [paths.get(id(self.bound[i]), f"parameter {i}") for i in found], list(found.values()))
+
+    def _watch(self) -> Any:
+        """Under a narrow compute dtype, what the call does with the narrow candidates where its graph shows nothing
+        (``wide_weights.GraphNodes``)."""
+        if not self.narrow:
+            return nullcontext()
+        return GraphNodes({id(self.bound[i]): i for i in narrow_candidates(self.engine.stores[self.block], self.bound)})
+
+    def _rerunnable(self) -> bool:
+        """Whether the forward may run again, without a graph: it is handed no state it writes into (a KV cache, a
+        container: Gemma3n's shared keys and values)."""
+        return not _containers(self.args, self.kwargs) and not any(
+            c.__name__ == "Cache" for v in pytree.tree_leaves((self.args, self.kwargs)) for c in type(v).__mro__)
+
+    def _rerun(self, call: Callable[[tuple, dict], Any], rng: Any, swaps: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The block's forward again from the first call's random state, without a graph, the weights at ``swaps``'
+        indices bound to its tensors: its output tensors and what it recorded (dropped from the collector). The
+        random state after the first call is restored after it."""
+        after = _rng_states(self.engine.streams.device)
+        recorded = side_outputs.lengths()
+        sites = self.engine.bindings[self.block].param_sites
+        held = [(m, name, m._parameters[name]) for i in swaps for m, name in sites[i]]
+        try:
+            for i, t in swaps.items():
+                for m, name in sites[i]:
+                    m._parameters[name] = t  # type: ignore[assignment]
+            _restore_rng(rng)
+            with torch.no_grad():
+                out = call(self.args, self.kwargs)
+            return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] + \
+                side_outputs.detach_since(recorded, drop=True)
+        finally:
+            side_outputs.detach_since(recorded, drop=True)
+            for m, name, t in held:
+                m._parameters[name] = t
+            _restore_rng(after)
 
     def _grad_hooks(self, names: dict[int, str]) -> None:
         ours = self.engine.outside.hook_ids()

@@ -25,9 +25,10 @@ runs its matmuls inside one) are taken as rounding, and so are custom C++ ops.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .placement import replace
@@ -63,7 +64,8 @@ MOVING = frozenset({
 
 class NarrowRead(RuntimeError):
     """A block's first call found weights of two or more dimensions, computed in the narrow compute dtype, that an
-    op outside autocast's matmuls reads. ``names``: their paths inside the block; ``ops``: what read them."""
+    op outside autocast's matmuls reads, or whose dtype changes what the block computes. ``names``: their paths
+    inside the block; ``ops``: what read them ("its dtype" for the latter)."""
 
     def __init__(self, block: int, module: str, names: Sequence[str], ops: Sequence[str]) -> None:
         self.block, self.names, self.ops = block, list(names), list(ops)
@@ -87,9 +89,63 @@ def narrow_candidates(store: Any, weights: Sequence[torch.Tensor]) -> list[int]:
             and w.dtype in (torch.bfloat16, torch.float16) and p.dtype == torch.float32]
 
 
-def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence[int]) -> dict[int, str]:
-    """``{index into weights: name of the op}`` for each candidate weight (a leaf of ``out``'s graph, in a dtype
-    narrower than fp32) that an op other than a rounding one reads (see the module's docstring)."""
+# What a read of a weight's ``.data`` (or ``detach()``, or the weight under ``no_grad``) may go through with no node of
+# the graph (torch's functions and Tensor methods, by name): ops that move its values on, and those autocast rounds.
+_MOVING_FUNCS = frozenset({
+    "__get__", "clone", "contiguous", "view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute",
+    "__getitem__", "to", "detach", "float", "half", "bfloat16", "type", "type_as", "expand", "expand_as", "flatten",
+    "unflatten", "unsqueeze", "squeeze", "split", "chunk", "narrow", "cat", "concat", "stack", "unbind", "flip",
+    "roll", "repeat", "index_select", "gather", "movedim", "swapaxes", "ravel", "embedding",
+})
+_MATMUL_FUNCS = frozenset({
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv",
+    "addr", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "einsum",
+    "prelu", "scaled_dot_product_attention",
+})
+
+
+class GraphNodes(TorchFunctionMode):
+    """Watches a call for :func:`narrow_reads`: holds the graph node of every tensor it makes (``nodes``), for the
+    walk to reach the nodes no output reaches (a result detached, or unused: DoRA's weight norm); and follows the
+    weights at ``watch`` (``{id: index}``) where the graph cannot: their ``.data`` and ``detach()`` and what moves
+    those on, the weights themselves under ``no_grad``. An op other than those of ``_MOVING_FUNCS`` and the matmuls
+    autocast rounds reads them: ``reads``, ``{index: op}`` (SHiRA adds its sparse update into a clone of its base
+    weight's ``.data``). A node without its saved tensors costs a few hundred bytes (the checked first call drops
+    them: ``first_call.py``)."""
+
+    def __init__(self, watch: dict[int, int]) -> None:
+        super().__init__()
+        self.nodes: list[Any] = []
+        self.watch, self.aliases = watch, {}  # aliases: {id: (index, tensor)}, held so that the ids stay theirs
+        self.reads: dict[int, str] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.nodes += [t.grad_fn for t in made if t.grad_fn is not None]
+        name = getattr(func, "__name__", "")
+        if args and id(args[0]) in self.watch and (name == "detach" or func == torch.Tensor.data.__get__):
+            self.aliases.update((id(t), (self.watch[id(args[0])], t)) for t in made)
+            return out
+        grad = torch.is_grad_enabled()
+        hit = [self.aliases[id(t)][0] if id(t) in self.aliases else self.watch[id(t)]
+               for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+               and (id(t) in self.aliases or (not grad and id(t) in self.watch))]
+        if not hit or not made:  # not a read of theirs, or one of metadata (a shape, a dtype)
+            return out
+        if name in _MOVING_FUNCS:
+            self.aliases.update((id(t), (hit[0], t)) for t in made)
+        elif name not in _MATMUL_FUNCS or any(t.dtype == torch.float32 for t in made):
+            for i in hit:
+                self.reads.setdefault(i, name)
+        return out
+
+
+def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence[int],
+                 nodes: Sequence[Any] = ()) -> dict[int, str]:
+    """``{index into weights: name of the op}`` for each candidate weight (a leaf of the graph of ``out`` or of
+    ``nodes``, in a dtype narrower than fp32) that an op other than a rounding one reads (see the module's
+    docstring)."""
     leaves = {id(weights[i]): i for i in candidates if weights[i].requires_grad}
     if not leaves:
         return {}
@@ -97,6 +153,7 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
     accumulators: dict[int, Any] = {}
     stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     roots = {id(node) for node in stack}  # what leaves the block: fp32 under Lightning's if a weight's values are
+    stack += nodes
     seen: set[int] = set()
     while stack:
         node = stack.pop()
@@ -137,6 +194,41 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
                 found[i] = name
                 break
     return found
+
+
+def dtype_reads(run: Callable[[dict[int, torch.Tensor]], list[torch.Tensor]], weights: Sequence[torch.Tensor],
+                candidates: Sequence[int]) -> dict[int, str]:
+    """``{index into weights: "its dtype"}`` for each candidate whose dtype, not its values, changes what the block
+    computes (see the module's docstring). ``run(swaps)``: the block's forward from the same random state, without a
+    graph, the weights at ``swaps``' indices bound to its tensors; returns the outputs (and what the call recorded).
+    A weight of zeros (LoRA's ``lora_B`` before its first update) would hide what the ops before it did: the runs
+    bind random values there (bf16, in every run the same). A forward whose outputs differ between two runs of the
+    same weights tells nothing: ``{}``."""
+    if not candidates:
+        return {}
+    zeros = [i for i in candidates if not weights[i].any()]
+    generator = torch.Generator(weights[candidates[0]].device).manual_seed(0)
+    base = {i: (torch.randn(weights[i].shape, generator=generator, device=weights[i].device)
+                / max(weights[i].shape[-1], 1) ** 0.5).to(weights[i].dtype) for i in zeros}
+    reference = run(base)
+    if not _same_bits(reference, run(base)):  # atomics (index_add_ on CUDA): no telling
+        return {}
+    return {i: "its dtype" for i in candidates
+            if not _same_bits(reference, run({**base, i: base.get(i, weights[i]).detach().float()}))}
+
+
+def _same_bits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether two lists of tensors hold the same dtypes, shapes and bits (NaNs included)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            x, y = (t.detach().reshape(-1).contiguous().view(torch.uint8) for t in (x, y))
+        if not torch.equal(x, y):
+            return False
+    return True
 
 
 def _foreign_function(node: Any) -> bool:
