@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compat_zoo import CausalLMModule, build_causal_lm
-from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain
+from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, resolve_strategy
 from megatrain_lightning.engine.wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_reads
 from zoo import LoraGptOss, ScaledBlock, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
 
@@ -182,6 +182,37 @@ def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thr
     assert ref.module.val_losses == got.module.val_losses
     compare_losses(ref.losses, got.losses, rtol=0.0)
     compare_states(ref.state, got.state, rtol=1e-7)
+
+
+class _Predicts(ScaledBlocks):
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.compute_loss(batch)
+
+
+def test_validate_and_predict_alone_read_the_weights_as_lightning(one_intra_op_thread: Any, caplog: Any) -> None:
+    """trainer.validate and trainer.predict with no training step (a trained checkpoint evaluated): under inference_mode
+    the first call builds a graph outside it for the check alone, finds the layer scales read outside the matmuls, and
+    the losses are Lightning's bits (before, read in bf16: 4.79618 against 4.79623)."""
+    import lightning.pytorch as pl
+
+    def run(strategy: Any) -> tuple[list[float], list[torch.Tensor]]:
+        pl.seed_everything(0, verbose=False)
+        module = _Predicts(n_val=8)
+        trainer = pl.Trainer(strategy=resolve_strategy(strategy), accelerator="cpu", devices=1, precision="bf16-mixed",
+                             logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,
+                             limit_predict_batches=2)
+        trainer.validate(module, verbose=False)
+        return list(module.val_losses), trainer.predict(module, module.val_dataloader())
+
+    ref = run(None)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+        got = run(megatrain())
+    assert any("outside autocast's matmuls" in r.getMessage() for r in caplog.records)
+    assert ref[0] == got[0] and len(ref[0]) == 2
+    assert len(ref[1]) == len(got[1]) == 2
+    for a, b in zip(ref[1], got[1]):
+        assert torch.equal(a, b)
 
 
 class PeftScalingLM(CausalLMModule):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, MutableMapping
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -39,12 +40,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
-from .compiled import WHOLE_IMPLEMENTATIONS, experts_of
-from .wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_candidates, narrow_reads
+from .wide_weights import GraphNodes, narrow_candidates, raise_narrow_reads
 
 _FIX = "or stream another level with block_class=..."
-# per engine, the (class of block, candidates) whose weights' dtypes were probed (wide_weights.dtype_reads)
-_DTYPES_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[type, tuple[int, ...]]]] = weakref.WeakKeyDictionary()
 
 
 class FirstCall:
@@ -59,19 +57,28 @@ class FirstCall:
         # Not for nested-tensor inputs: only a call without grad gets them (nn.TransformerEncoder's fast path,
         # in evaluation), and with grad the same modules refuse them; a training call brings dense ones.
         nested = any(isinstance(t, torch.Tensor) and t.is_nested for t in pytree.tree_leaves((args, kwargs)))
-        self.graph = not self.inference and not self.grad and not nested
+        self.narrow = bool(narrow_candidates(engine.stores[block], weights)) and not nested
+        self.plain = args, kwargs  # under inference_mode: what the call itself gets
+        # Under inference_mode (validate, test, predict) only the narrow weights' reads are looked for, in a call
+        # with a graph outside it (on copies of the inputs); then the call itself runs (reads_only).
+        self.reads_only = self.inference and self.narrow and _rerunnable(args, kwargs)
+        self.graph = (not self.inference and not self.grad or self.reads_only) and not nested
         self.complete = not self.inference and not nested  # else a later call is checked again
-        if not self.inference and not self.grad:
-            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-        self.probed: set[int] = set()  # frozen weights made leaves for the walk of wide_weights.py alone
-        self.narrow = not self.inference and bool(narrow_candidates(engine.stores[block], weights))
-        if self.graph:
-            flags = engine.requires_grad_flags(block)
-            # frozen weights held narrower than their fp32: leaves too, so that the walk of wide_weights.py sees them
-            probe = {i for i in narrow_candidates(engine.stores[block], weights) if not flags[i]}
-            weights = [w.detach().requires_grad_((f or i in probe) and w.is_floating_point())
-                       for i, (w, f) in enumerate(zip(weights, flags))]
-            self.probed = {id(weights[i]) for i in probe}
+        with torch.inference_mode(False):
+            if self.reads_only:
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.clone() if t.is_inference() else t.detach(), (args, kwargs))
+            elif not self.inference and not self.grad:
+                args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+            self.probed: set[int] = set()  # frozen weights made leaves for the walk of wide_weights.py alone
+            if self.graph:
+                flags = engine.requires_grad_flags(block)
+                # frozen weights narrower than their fp32: leaves too, so that the walk of wide_weights.py sees them
+                probe = {i for i in narrow_candidates(engine.stores[block], weights) if not flags[i]}
+                weights = [(w.clone() if w.is_inference() else w.detach()).requires_grad_(  # slots made in predict
+                    (f or i in probe) and w.is_floating_point()) for i, (w, f) in enumerate(zip(weights, flags))]
+                self.probed = {id(weights[i]) for i in probe}
+        self.narrow = self.narrow and (not self.inference or self.reads_only)
         self.bound, self.args, self.kwargs = list(weights), args, kwargs
         self.inputs = [t for t in pytree.tree_leaves((args, kwargs))
                        if isinstance(t, torch.Tensor) and not t.is_inference()]
@@ -80,8 +87,10 @@ class FirstCall:
         self.names = {id(p): n for n, p in engine.root.named_parameters(remove_duplicate=False)}
 
     def __call__(self, call: Callable[[tuple, dict], Any]) -> Any:
+        if self.reads_only:
+            self._reads_outside_inference(call)
         if self.inference:
-            return call(self.args, self.kwargs)
+            return call(*self.plain)
         names = self.names
         self._grad_hooks(names)
         attrs = dict(_tensor_attrs(self.module))
@@ -164,41 +173,28 @@ class FirstCall:
         return False
 
     def _narrow_reads(self, out: Any, nodes: Any, call: Callable[[tuple, dict], Any], rng: Any) -> None:
-        """Raises :class:`NarrowRead` for the weights of two or more dimensions, bf16 here and fp32 under Lightning's
-        bf16-mixed, that an op outside autocast's matmuls reads or whose dtype changes what the block computes
-        (``wide_weights.py``): trainable ones, and frozen ones made leaves of the checked graph for this alone."""
-        candidates = narrow_candidates(self.engine.stores[self.block], self.bound)
-        if not candidates:
-            return
-        found = {**getattr(nodes, "reads", {}), **narrow_reads(out, self.bound, candidates, getattr(nodes, "nodes", ()))}
-        probed = _DTYPES_PROBED.setdefault(self.engine, set())
-        if not found and (type(self.module), tuple(candidates)) not in probed and self._rerunnable():
-            probed.add((type(self.module), tuple(candidates)))
-            grouped = {id(m) for m in experts_of(self.module)
-                       if getattr(getattr(m, "config", None), "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS}
-            sites = self.engine.bindings[self.block].param_sites
+        """Raises ``NarrowRead`` (``wide_weights.raise_narrow_reads``), the forward run again if it may."""
+        rerun = partial(self._rerun, call, rng) if _rerunnable(self.args, self.kwargs) else None
+        raise_narrow_reads(self.engine, self.block, self.bound, out, nodes, rerun)
+
+    def _watch(self) -> Any:  # under a narrow compute dtype, what the graph cannot show (wide_weights.GraphNodes)
+        return GraphNodes.over(self.engine.stores[self.block], self.bound) if self.narrow else nullcontext()
+
+    def _reads_outside_inference(self, call: Callable[[tuple, dict], Any]) -> None:
+        """Under inference_mode: the call with a graph, outside it, for :meth:`_narrow_reads` alone (its outputs
+        dropped; the random state restored for the call itself). A forward that cannot build a graph is not looked
+        at (it runs as before)."""
+        with torch.inference_mode(False):
+            rng, recorded, nodes = _rng_states(self.engine.streams.device), side_outputs.lengths(), self._watch()
             try:
-                found = dtype_reads(lambda swaps: self._rerun(call, rng, swaps), self.bound,
-                                    [i for i in candidates if not any(id(m) in grouped for m, _ in sites[i])])
-            except Exception:  # a forward that cannot run without a graph (one differentiating inside): unprobed
-                found = {}
-        if found:
-            paths = {id(t): n for n, t in self.module.named_parameters(remove_duplicate=False)}
-            raise NarrowRead(self.block, type(self.module).__name__,
-                             [paths.get(id(self.bound[i]), f"parameter {i}") for i in found], list(found.values()))
-
-    def _watch(self) -> Any:
-        """Under a narrow compute dtype, what the call does with the narrow candidates where its graph shows nothing
-        (``wide_weights.GraphNodes``)."""
-        if not self.narrow:
-            return nullcontext()
-        return GraphNodes({id(self.bound[i]): i for i in narrow_candidates(self.engine.stores[self.block], self.bound)})
-
-    def _rerunnable(self) -> bool:
-        """Whether the forward may run again, without a graph: it is handed no state it writes into (a KV cache, a
-        container: Gemma3n's shared keys and values)."""
-        return not _containers(self.args, self.kwargs) and not any(
-            c.__name__ == "Cache" for v in pytree.tree_leaves((self.args, self.kwargs)) for c in type(v).__mro__)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked), nodes:
+                    out = call(self.args, self.kwargs)
+            except RuntimeError:
+                return
+            finally:
+                side = side_outputs.detach_since(recorded, drop=True)
+                _restore_rng(rng)
+            self._narrow_reads((out, side), nodes, call, rng)
 
     def _rerun(self, call: Callable[[tuple, dict], Any], rng: Any, swaps: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """The block's forward again from the first call's random state, without a graph, the weights at ``swaps``'
@@ -378,6 +374,13 @@ def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Te
                 for k, v in value.items():
                     if isinstance(v, torch.Tensor):
                         yield (path, f"{name}[{k!r}]"), v
+
+
+def _rerunnable(args: tuple, kwargs: dict) -> bool:
+    """Whether a block's forward may run again: it is handed no state it writes into (a KV cache, a container:
+    Gemma3n's shared keys and values)."""
+    return not _containers(args, kwargs) and not any(
+        c.__name__ == "Cache" for v in pytree.tree_leaves((args, kwargs)) for c in type(v).__mro__)
 
 
 def _containers(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:

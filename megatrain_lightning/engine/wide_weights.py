@@ -25,13 +25,18 @@ runs its matmuls inside one) are taken as rounding, and so are custom C++ ops.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .compiled import WHOLE_IMPLEMENTATIONS, experts_of
 from .placement import replace
+
+# per engine, the (class of block, candidates, training) whose weights' dtypes were probed (dtype_reads)
+_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[type, tuple[int, ...], bool]]] = weakref.WeakKeyDictionary()
 
 # Ops that round the weight to the compute dtype under Lightning's bf16-mixed: autocast's lower-precision list, and
 # the ones that need their inputs in one dtype (an fp32 weight would have been cast by the model to run at all).
@@ -119,6 +124,11 @@ class GraphNodes(TorchFunctionMode):
         self.watch, self.aliases = watch, {}  # aliases: {id: (index, tensor)}, held so that the ids stay theirs
         self.reads: dict[int, str] = {}
 
+    @classmethod
+    def over(cls, store: Any, bound: Sequence[torch.Tensor]) -> "GraphNodes":
+        """Watching a block's narrow candidates (``bound``: the weights its call is bound to; ``store``: its store)."""
+        return cls({id(bound[i]): i for i in narrow_candidates(store, bound)})
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -139,6 +149,34 @@ class GraphNodes(TorchFunctionMode):
             for i in hit:
                 self.reads.setdefault(i, name)
         return out
+
+
+def raise_narrow_reads(engine: Any, block: int, bound: Sequence[torch.Tensor], out: Any, nodes: Any,
+                       rerun: Callable[[dict[int, torch.Tensor]], list[torch.Tensor]] | None) -> None:
+    """Raises :class:`NarrowRead` for the weights of block ``block`` (``bound``: those its first call was bound to),
+    bf16 here and fp32 under Lightning's bf16-mixed, that an op outside autocast's matmuls reads (in the graph of
+    ``out``, or as ``nodes``, a :class:`GraphNodes`, saw) or whose dtype changes what the block computes (through
+    ``rerun``, see :func:`dtype_reads`; None: not probed): trainable ones, and frozen ones with fp32 host copies."""
+    module = engine.blocks[block]
+    candidates = narrow_candidates(engine.stores[block], bound)
+    if not candidates:
+        return
+    found = {**getattr(nodes, "reads", {}), **narrow_reads(out, bound, candidates, getattr(nodes, "nodes", ()))}
+    probed = _PROBED.setdefault(engine, set())
+    key = (type(module), tuple(candidates), module.training)  # a dropout runs in training alone
+    if not found and rerun is not None and key not in probed:
+        probed.add(key)
+        grouped = {id(m) for m in experts_of(module)
+                   if getattr(getattr(m, "config", None), "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS}
+        sites = engine.bindings[block].param_sites
+        try:
+            found = dtype_reads(rerun, bound, [i for i in candidates if not any(id(m) in grouped for m, _ in sites[i])])
+        except Exception:  # a forward that cannot run without a graph (one differentiating inside): unprobed
+            found = {}
+    if found:
+        paths = {id(t): n for n, t in module.named_parameters(remove_duplicate=False)}
+        raise NarrowRead(block, type(module).__name__, [paths.get(id(bound[i]), f"parameter {i}") for i in found],
+                         list(found.values()))
 
 
 def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence[int],
