@@ -210,9 +210,9 @@ class StreamedBlock(torch.autograd.Function):
                         calls.append(RecomputeState(runner.device, *replayed(runner.blocks[block])))
                         return runner.run_forward(block, a, kw, weights=leaves, eager=True)
 
-                    out, recorded, side = side_outputs.capture(lambda: saving_matmuls(run, *inputs))
+                    out, recorded, side = side_outputs.capture(lambda: saving_matmuls(run, *_not_leaves(inputs)))
                 else:  # every activation kept, or a compiled graph saving matmul outputs (compiled.py)
-                    args, kwargs = spec.rebuild(inputs)
+                    args, kwargs = spec.rebuild(_not_leaves(inputs))
                     matmuls_only = runner.saves_matmuls_only(block)
                     out, recorded, side = side_outputs.capture(
                         lambda: runner.run_forward(block, args, kwargs, weights=leaves, matmuls_only=matmuls_only))
@@ -262,7 +262,7 @@ class StreamedBlock(torch.autograd.Function):
             leaves = _leaf_weights(weights, flags)
             before = runner.meter.mark()
             with torch.enable_grad(), ctx.recompute.replay():
-                args, kwargs = ctx.spec.rebuild(inputs)
+                args, kwargs = ctx.spec.rebuild(_not_leaves(inputs))
                 out, side = side_outputs.recompute(
                     ctx.spec.recorded, lambda: runner.run_forward(ctx.block, args, kwargs, weights=leaves), ctx.block)
             runner.meter.built(before)  # what keeping this block's activations would hold
@@ -307,6 +307,14 @@ class StreamedBlock(torch.autograd.Function):
 
 def _leaf_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in tensors]
+
+
+def _not_leaves(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # What the block is called with: views of the leaves the gradients are taken for. Autocast casts a leaf that
+    # requires grad once per region (its cast cache), so the gradients of the matmuls reading it (BERT's query, key
+    # and value read the block's input) would meet in bf16 before the cast's backward; under Lightning the block's
+    # input is no leaf, each cast is its own, and they meet in fp32 (BERT, 1 step: 3.0e-5 in its position embeddings).
+    return [t.view_as(t) if t.requires_grad else t for t in inputs]
 
 
 def _leaf_weights(weights: Sequence[torch.Tensor], flags: Sequence[bool]) -> list[torch.Tensor]:
