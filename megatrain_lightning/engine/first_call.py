@@ -17,14 +17,15 @@ runs with a graph as its recompute will, and refuses by name, in one paragraph w
 
 Cost: the call builds the graph the recompute builds, once per block, without its saved tensors (the graph is
 only walked: its activations are freed as they would be without it). Under ``torch.inference_mode`` (validate,
-test, predict) nothing is checked: there is no graph and no backward. What transformers records in the call
+test, predict) there is no graph and no backward: only the narrow weights' reads below are looked for, in a call
+with a graph outside it on copies of the inputs, before the call itself. What transformers records in the call
 (router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it as extra outputs.
 
-Under a narrow compute dtype the same graph shows the weights that an op outside autocast's matmuls reads, and a
-few more runs of the forward without a graph (two, and one per weight of two or more dimensions, from the same
-random state; once per class of block, not for a block handed a KV cache or a container) the weights whose dtype
-changes what it computes (``wide_weights.py``): the call raises ``NarrowRead``, for the step to run again with them
-held in fp32. Those runs call the block's forward hooks too.
+Under a narrow compute dtype the same graph shows the weights an op outside autocast's matmuls reads, and a few
+more runs of the forward without a graph (two, then one per weight of two or more dimensions, from one random
+state; once per class of block and training mode; not for a block handed a KV cache or a container; its forward
+hooks run too) those whose dtype changes what it computes (``wide_weights.py``): the call raises ``NarrowRead``,
+for the step to run again with them held in fp32.
 """
 
 from __future__ import annotations
@@ -182,8 +183,7 @@ class FirstCall:
 
     def _reads_outside_inference(self, call: Callable[[tuple, dict], Any]) -> None:
         """Under inference_mode: the call with a graph, outside it, for :meth:`_narrow_reads` alone (its outputs
-        dropped; the random state restored for the call itself). A forward that cannot build a graph is not looked
-        at (it runs as before)."""
+        dropped, the random state restored for the call itself); not for a forward that cannot build one."""
         with torch.inference_mode(False):
             rng, recorded, nodes = _rng_states(self.engine.streams.device), side_outputs.lengths(), self._watch()
             try:

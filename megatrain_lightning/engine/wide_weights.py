@@ -20,7 +20,20 @@ dtype: the weight was cast there under Lightning's bf16-mixed too, the same bits
 the weight's bf16 copy where Lightning's reads it in fp32. So does a library's ``autograd.Function`` (peft's LoHa,
 C3A and RandLoRA compute their adapters' weights in one): it is handed the fp32 weight under Lightning's, and its
 backward runs outside autocast, in that weight's dtype. Torch's own Functions and this package's (the chunked MLP
-runs its matmuls inside one) are taken as rounding, and so are custom C++ ops.
+runs its matmuls inside one) are taken as rounding, and so are custom C++ ops. The walk starts from the block's
+outputs and from every node the call made (:class:`GraphNodes`): a read whose result leaves the graph (DoRA's
+weight norm, detached) is still a read.
+
+Two kinds of reads leave no trace in the graph. A weight read through its ``.data`` or ``detach()`` (SHiRA adds its
+update into its base weight's ``.data``), or under ``no_grad``: :class:`GraphNodes` follows those through the
+functions that move values on, up to the first that computes with them. And a weight whose dtype, not its values,
+changes what the block computes: peft's LoRA casts its input to ``lora_A``'s dtype (its dropout then runs in fp32
+under Lightning's bf16-mixed, here in bf16; DoRA and MiSS cast so too). :func:`dtype_reads` runs the block's forward
+again with one weight at a time bound as an fp32 copy of its bf16 values: the same values, so a matmul of it rounds
+to the same bits, and where an output's bits change, the weight's dtype changed what the block computes. Once per
+class of block, set of candidates and training mode (the step then runs again, as above); transformers' grouped
+GEMM experts are left out: they compute in the weights' dtype, fp32 under Lightning's bf16-mixed
+(``docs/internals.md``), and held so here they would run the experts' matmuls, most of an MoE's work, in fp32.
 """
 
 from __future__ import annotations
