@@ -199,8 +199,7 @@ def test_validate_and_predict_alone_read_the_weights_as_lightning(one_intra_op_t
         pl.seed_everything(0, verbose=False)
         module = _Predicts(n_val=8)
         trainer = pl.Trainer(strategy=resolve_strategy(strategy), accelerator="cpu", devices=1, precision="bf16-mixed",
-                             logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,
                              limit_predict_batches=2)
         trainer.validate(module, verbose=False)
         return list(module.val_losses), trainer.predict(module, module.val_dataloader())
