@@ -46,7 +46,7 @@ from .init import initializer_for
 from .optim import HostOptimizer, chain_zero_grad
 from .precision import MegaTrainPrecision
 from .setup_checks import (
-    check_supported, experts_hint, gradient_readers, host_memory_refusal, in_place_expert_bias,
+    check_supported, experts_hint, experts_in_bf16, gradient_readers, host_memory_refusal, in_place_expert_bias,
     leaves_weights_alone, module_hooks_touch_weights, refuse_grad_hooks, refuse_running_statistics,
     unseen_in_place_kernels, writers_between_steps,
 )
@@ -254,6 +254,9 @@ class MegaTrainStrategy(ParallelStrategy):
         hint = experts_hint(module)
         if hint is not None:
             rank_zero_info(hint)
+        apart = experts_in_bf16(module, str(trainer.precision))
+        if apart is not None:
+            rank_zero_warn(apart)
         readers = gradient_readers(module, trainer) if self.is_distributed and trainer.state.fn == TrainerFn.FITTING else []
         if readers:
             rank_zero_warn(
