@@ -204,8 +204,9 @@ def experts_in_bf16(module: pl.LightningModule, precision: str) -> str | None:
     GEMMs, most of an MoE's work, would run in fp32: ``engine/wide_weights.py``). None where it does not apply."""
     if precision != "bf16-mixed":
         return None
-    grouped = sorted({type(e).__name__ for e in experts_of(module)
-                      if getattr(getattr(e, "config", None), "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS})
+    grouped = sorted({type(e).__name__ for e in experts_of(module)  # fp32 weights (bf16 ones read the same bits)
+                      if getattr(getattr(e, "config", None), "_experts_implementation", None) in WHOLE_IMPLEMENTATIONS
+                      and any(p.dtype == torch.float32 and p.dim() >= 2 for p in e.parameters())})
     if not grouped:
         return None
     return (f"MegaTrainStrategy: {', '.join(grouped)} compute their grouped GEMMs in bf16 under bf16-mixed, where "

@@ -313,7 +313,7 @@ def _not_leaves(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # What the block is called with: views of the leaves the gradients are taken for. Autocast casts a leaf that
     # requires grad once per region (its cast cache), so the gradients of the matmuls reading it (BERT's query, key
     # and value read the block's input) would meet in bf16 before the cast's backward; under Lightning the block's
-    # input is no leaf, each cast is its own, and they meet in fp32 (BERT, 1 step: 3.0e-5 in its position embeddings).
+    # input is no leaf, each cast is its own, and they meet in fp32 (BERT, 4 layers, 1 step: 3.0e-5 in its embeddings).
     return [t.view_as(t) if t.requires_grad else t for t in inputs]
 
 
