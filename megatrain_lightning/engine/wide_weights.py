@@ -316,5 +316,6 @@ def widen(engine: Any, read: NarrowRead) -> list[tuple[str, int]]:
         if j == read.block and not new:
             raise RuntimeError(f"{read} (found no weights of the block to widen: a bug, please report it)") from read
         widened += [(f"{paths.get(id(block), '?')}.{n}", params[n].numel()) for n, k in at.items() if k in new]
-    replace(engine, engine.config)
+    with torch.inference_mode(False):  # from a validation or predict step: slots made there would be inference tensors
+        replace(engine, engine.config)
     return widened
