@@ -17,9 +17,8 @@ runs with a graph as its recompute will, and refuses by name, in one paragraph w
 
 Cost: the call builds the graph the recompute builds, once per block, without its saved tensors (the graph is
 only walked: its activations are freed as they would be without it). Under ``torch.inference_mode`` (validate,
-test, predict) there is no graph and no backward: only the narrow weights' reads below are looked for, in a call
-with a graph outside it on copies of the inputs, before the call itself. What transformers records in the call
-(router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it as extra outputs.
+test, predict) only the narrow weights' reads below are looked for (once per block, with a graph outside it). What
+transformers records (router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it.
 
 Under a narrow compute dtype the same graph shows the weights an op outside autocast's matmuls reads, and a few
 more runs of the forward without a graph (two, then one per weight of two or more dimensions, from one random
@@ -44,6 +43,7 @@ from . import side_outputs
 from .wide_weights import GraphNodes, narrow_candidates, raise_narrow_reads
 
 _FIX = "or stream another level with block_class=..."
+_READ_IN_INFERENCE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()  # per engine (see reads_only)
 
 
 class FirstCall:
@@ -59,10 +59,10 @@ class FirstCall:
         # in evaluation), and with grad the same modules refuse them; a training call brings dense ones.
         nested = any(isinstance(t, torch.Tensor) and t.is_nested for t in pytree.tree_leaves((args, kwargs)))
         self.narrow = bool(narrow_candidates(engine.stores[block], weights)) and not nested
-        self.plain = args, kwargs  # under inference_mode: what the call itself gets
-        # Under inference_mode (validate, test, predict) only the narrow weights' reads are looked for, in a call
-        # with a graph outside it (on copies of the inputs); then the call itself runs (reads_only).
-        self.reads_only = self.inference and self.narrow and _rerunnable(args, kwargs)
+        self.plain = args, kwargs  # under inference_mode (validate, test, predict): what the call itself gets, after
+        # the narrow weights' reads are looked for, once per block, in a call with a graph outside it (reads_only)
+        looked = _READ_IN_INFERENCE.setdefault(engine, set())
+        self.reads_only = self.inference and self.narrow and block not in looked and _rerunnable(args, kwargs)
         self.graph = (not self.inference and not self.grad or self.reads_only) and not nested
         self.complete = not self.inference and not nested  # else a later call is checked again
         with torch.inference_mode(False):
@@ -85,7 +85,7 @@ class FirstCall:
                        if isinstance(t, torch.Tensor) and not t.is_inference()]
         self.versions = [t._version for t in self.inputs]
         # the model's parameters by name, read before the binding puts the block's weights in their places
-        self.names = {id(p): n for n, p in engine.root.named_parameters(remove_duplicate=False)}
+        self.names = {} if self.inference else {id(p): n for n, p in engine.root.named_parameters(remove_duplicate=False)}
 
     def __call__(self, call: Callable[[tuple, dict], Any]) -> Any:
         if self.reads_only:
@@ -182,27 +182,28 @@ class FirstCall:
         return GraphNodes.over(self.engine.stores[self.block], self.bound) if self.narrow else nullcontext()
 
     def _reads_outside_inference(self, call: Callable[[tuple, dict], Any]) -> None:
-        """Under inference_mode: the call with a graph, outside it, for :meth:`_narrow_reads` alone (its outputs
-        dropped, the random state restored for the call itself); not for a forward that cannot build one."""
+        """Under inference_mode: the call with a graph outside it, for :meth:`_narrow_reads` alone (its outputs dropped,
+        the random state restored for the call itself); not for a forward that cannot build one."""
         with torch.inference_mode(False):
             rng, recorded, nodes = _rng_states(self.engine.streams.device), side_outputs.lengths(), self._watch()
             try:
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked), nodes:
                     out = call(self.args, self.kwargs)
+                built = True
             except RuntimeError:
-                return
+                built = False
             finally:
                 side = side_outputs.detach_since(recorded, drop=True)
                 _restore_rng(rng)
-            self._narrow_reads((out, side), nodes, call, rng)
+            if built:  # a NarrowRead: looked for again in the rerun
+                self._narrow_reads((out, side), nodes, call, rng)
+        _READ_IN_INFERENCE[self.engine].add(self.block)
 
     def _rerun(self, call: Callable[[tuple, dict], Any], rng: Any, swaps: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """The block's forward again from the first call's random state, without a graph, the weights at ``swaps``'
-        indices bound to its tensors: its output tensors and what it recorded (dropped from the collector). The
-        random state after the first call is restored after it."""
-        after = _rng_states(self.engine.streams.device)
-        recorded = side_outputs.lengths()
-        sites = self.engine.bindings[self.block].param_sites
+        """The forward again from the first call's random state (then back to the state after it), without a graph, the
+        weights at ``swaps``' indices bound to its tensors: its output tensors and what it recorded (dropped from there)."""
+        after, recorded, sites = (_rng_states(self.engine.streams.device), side_outputs.lengths(),
+                                  self.engine.bindings[self.block].param_sites)
         held = [(m, name, m._parameters[name]) for i in swaps for m, name in sites[i]]
         try:
             for i, t in swaps.items():
@@ -377,8 +378,7 @@ def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Te
 
 
 def _rerunnable(args: tuple, kwargs: dict) -> bool:
-    """Whether a block's forward may run again: it is handed no state it writes into (a KV cache, a container:
-    Gemma3n's shared keys and values)."""
+    """Whether a block's forward may run again: no state it writes into (a KV cache, Gemma3n's container) is passed."""
     return not _containers(args, kwargs) and not any(
         c.__name__ == "Cache" for v in pytree.tree_leaves((args, kwargs)) for c in type(v).__mro__)
 
