@@ -240,7 +240,7 @@ class PeftScalingLM(CausalLMModule):
     (a norm); LoHa, C3A and RandLoRA compute theirs inside their own autograd.Function. Under Lightning's bf16-mixed
     those read fp32; each drifted here before they were widened."""
 
-    def __init__(self, method: str = "ia3", **kwargs: Any) -> None:
+    def __init__(self, method: str = "ia3", bf16_base: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     def build(self) -> Any:
@@ -263,15 +263,19 @@ class PeftScalingLM(CausalLMModule):
             "miss": lambda: peft.MissConfig(r=4, target_modules=attn),  # the input cast to the adapter's dtype
             "shira": lambda: peft.ShiraConfig(r=4, target_modules=attn),  # the base weight read through .data
         }[self.hparams.method]()
-        return peft.get_peft_model(build_causal_lm("llama"), config)
+        base = build_causal_lm("llama")
+        # from_pretrained(torch_dtype=torch.bfloat16): a bf16 base, peft's adapters fp32
+        return peft.get_peft_model(base.to(torch.bfloat16) if self.hparams.bf16_base else base, config)
 
 
-@pytest.mark.parametrize("method", ["ia3", "lokr", "oft", "hra", "loha", "c3a", "randlora", "lora-dropout", "dora", "miss",
-                                    "shira"])
-def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str, one_intra_op_thread: Any,
-                                                                    caplog: Any) -> None:
+@pytest.mark.parametrize(("method", "bf16_base"), [
+    *[(m, False) for m in ("ia3", "lokr", "oft", "hra", "loha", "c3a", "randlora", "lora-dropout", "dora", "miss", "shira")],
+    # on a bf16 base (its frozen norm gains were held in fp32 on the device: the norms' outputs were fp32)
+    ("ia3", True), ("lora-dropout", True), ("dora", True)])
+def test_peft_weights_read_outside_matmuls_train_as_under_lightning(method: str, bf16_base: bool,
+                                                                    one_intra_op_thread: Any, caplog: Any) -> None:
     pytest.importorskip("peft")
-    factory = partial(PeftScalingLM, method=method)
+    factory = partial(PeftScalingLM, method=method, bf16_base=bf16_base)
     ref = fit(factory, None, precision="bf16-mixed", max_steps=6)
     with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
         got = fit(factory, megatrain(), precision="bf16-mixed", max_steps=6)

@@ -28,7 +28,7 @@ class FlatLayout:
 
     ALIGN_ELEMS = ALIGN_BYTES // 4
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], n_trainable: int | None = None) -> None:
         self.params: list[nn.Parameter] = list(params)
         self.offsets: list[int] = []
         cursor = 0
@@ -38,8 +38,13 @@ class FlatLayout:
         self.numel = max(cursor, self.ALIGN_ELEMS)
 
         # Weights of one dimension (norm gains, biases): in a narrow compute dtype a device slot also holds
-        # them in fp32 (``wide``), packed in layout order at ``wide_offsets`` (see engine/slots.py).
-        self.wide: list[int] = [i for i, p in enumerate(self.params) if p.dim() < 2]
+        # them in fp32 (``wide``), packed in layout order at ``wide_offsets`` (see engine/slots.py). Not the frozen
+        # ones (those after the first ``n_trainable``) given narrower than fp32: Lightning's bf16-mixed reads
+        # them in their own dtype (a bf16 base's norm gains under adapters: in fp32 its norms' outputs were fp32,
+        # and the gradients the matmuls read back met in fp32 where under Lightning they meet in bf16).
+        trainable = len(self.params) if n_trainable is None else n_trainable
+        self.wide: list[int] = [i for i, p in enumerate(self.params)
+                                if p.dim() < 2 and (i < trainable or p.dtype == torch.float32)]
         self.wide_offsets: list[int] = []
         cursor = 0
         for i in self.wide:
@@ -100,7 +105,7 @@ def trainable_first(params: Sequence[nn.Parameter], trainable: set[int] | None) 
     ids = {id(p) for p in params if p.requires_grad} if trainable is None else trainable
     train = [p for p in params if id(p) in ids]
     rest = [p for p in params if id(p) not in ids]
-    return FlatLayout(train + rest), len(train)
+    return FlatLayout(train + rest, len(train)), len(train)
 
 
 def region_split(layout: FlatLayout, n_trainable: int) -> int:
