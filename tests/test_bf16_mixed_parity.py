@@ -27,8 +27,8 @@ from torch import nn
 
 from compat_zoo import CausalLMModule, build_causal_lm
 from conftest import assert_is_megatrain, compare_losses, compare_states, fit, megatrain, resolve_strategy
-from megatrain_lightning.engine.wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_reads
-from zoo import LoraGptOss, ScaledBlock, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe
+from megatrain_lightning.engine.wide_weights import GraphNodes, NarrowRead, dtype_reads, narrow_reads, outputs_and_gradients
+from zoo import LoraGptOss, ScaledBlock, ScaledBlocks, TinyGptOss, TinyLlama, TinyQwen2, TinyQwen3Moe, UserBlocks, VOCAB
 
 STEPS = 12
 
@@ -171,16 +171,43 @@ def test_dtype_reads_finds_a_weight_whose_dtype_sets_another_tensors() -> None:
     x = torch.randn(4, 8)
     lora_a, lora_b, base = (torch.randn(2, 8).bfloat16(), torch.zeros(8, 2).bfloat16(), torch.randn(8, 8).bfloat16())
 
-    def run(swaps: dict[int, torch.Tensor], dropout: bool) -> list[torch.Tensor]:
+    def run(swaps: dict[int, torch.Tensor], dropout: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         a, b, w = (swaps.get(i, t) for i, t in enumerate((lora_a, lora_b, base)))
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             h = x.to(a.dtype)
             h = F.dropout(h, 0.1) if dropout else h
-            return [F.linear(x, w) + F.linear(F.linear(h, a), b)]
+            return [F.linear(x, w) + F.linear(F.linear(h, a), b)], []
 
     assert dtype_reads(partial(run, dropout=True), [lora_a, lora_b, base], [0, 1, 2]) == {0: "its dtype"}
     assert dtype_reads(partial(run, dropout=False), [lora_a, lora_b, base], [0, 1, 2]) == {}  # rounded the same
+
+
+def test_dtype_reads_finds_a_weight_whose_dtype_sets_where_gradients_meet() -> None:
+    """T5's feed-forward casts its hidden states to its output weight's dtype when they differ: under Lightning's
+    bf16-mixed (fp32 weights) the gradients of that weight's base and LoRA paths meet in fp32 before the cast, here in
+    bf16. The forward rounds to the same bits either way; the backward does not (a LoRA on a T5, an fp32 base, LoRA's
+    dropout on: 2.3e-4 in the loss after 3 steps, all 3 found only by the gradients)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    wo, lora_a, lora_b = torch.randn(8, 8).bfloat16(), torch.randn(2, 8).requires_grad_(), torch.randn(8, 2).requires_grad_()
+
+    def run(swaps: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        w = swaps.get(0, wo)
+        call = lambda args, kwargs: _t5_wo(args[0], w, lora_a, lora_b)  # noqa: E731
+        return outputs_and_gradients(call, (x,), {}, [w, lora_a, lora_b])
+
+    assert dtype_reads(run, [wo, lora_a, lora_b], [0]) == {0: "its dtype"}
+    out, grads = run({})
+    assert len(out) == 1 and len(grads) == 3  # the input's, lora_A's and lora_B's
+
+
+def _t5_wo(h: torch.Tensor, wo: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = F.linear(h, torch.eye(8))  # bf16, as T5's wi under autocast
+        if h.dtype != wo.dtype:
+            h = h.to(wo.dtype)
+        torch.manual_seed(0)  # LoRA's dropout: its gradient, scaled by 1 / 0.9, is no bf16 value
+        return F.linear(h, wo) + F.linear(F.linear(F.dropout(h.to(lora_a.dtype), 0.1), lora_a), lora_b)
 
 
 def test_a_validation_first_without_inference_mode_widens_there(one_intra_op_thread: Any, caplog: Any) -> None:
@@ -319,3 +346,75 @@ def test_a_block_first_called_after_an_optimizer_step_is_refused_not_run_again(o
     with pytest.raises(NarrowRead, match="_LaterBlock") as info:
         fit(StepsBetween, megatrain(), precision="bf16-mixed", max_steps=2)
     assert any("cannot run again" in note for note in getattr(info.value, "__notes__", []))
+
+
+# ---- a block handed a container it writes into: the dtype probe runs it again (engine/call_containers.py) ----------
+
+
+class NotingBlock(nn.Module):
+    """x + up(dropout(x cast to up's dtype)) (peft's LoRA casts its input so: fp32 under Lightning's bf16-mixed, so
+    the dropout runs in fp32), noting its input's mean under its index in the mapping it is handed (a user's
+    logging; Gemma4's layers are handed its ``shared_kv_states`` so)."""
+
+    def __init__(self, dim: int, index: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.1)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, noted: dict) -> torch.Tensor:
+        noted[self.index] = x.detach().float().mean().item()
+        return x + self.up(self.drop(x.to(self.up.weight.dtype)))
+
+
+class Notes(dict):
+    """What the blocks note: a class of its own, as Gemma4's ``KVSharingDict`` (torch's pytree leaves it whole, so
+    the blocks write into the caller's)."""
+
+
+class NotingBlocks(UserBlocks):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.blocks = nn.ModuleList([NotingBlock(32, i) for i in range(len(self.blocks))])
+        self.noted: list[dict] = []
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        h, noted = self.embed(x), Notes()
+        for block in self.blocks:
+            h = block(h, noted)
+        self.noted.append(noted)
+        return F.cross_entropy(self.head(self.norm(h)).reshape(-1, VOCAB), ((7 * x + 3) % VOCAB).reshape(-1))
+
+
+def test_a_block_handed_a_mapping_it_writes_into_is_probed_and_the_mapping_holds_what_lightnings_holds(
+        one_intra_op_thread: Any, caplog: Any) -> None:
+    """The dtype probe runs a block's forward again; it used to skip every block handed a mapping or list (Gemma4's
+    layers are all handed one), whose dtype-dependent weights then ran in bf16 (Gemma4 with LoRA's dropout at 0.05:
+    lora_B 4.5e-3 apart after one step). Each run now starts from the mapping as the call found it and leaves it as
+    the call did."""
+    ref = fit(NotingBlocks, None, precision="bf16-mixed", max_steps=3)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning.strategy"):
+        got = fit(NotingBlocks, megatrain(), precision="bf16-mixed", max_steps=3)
+    assert_is_megatrain(got)
+    assert any("its dtype" in r.getMessage() for r in caplog.records), "the probe did not find up.weight's dtype"
+    compare_losses(ref.losses, got.losses, rtol=0.0)
+    compare_states(ref.state, got.state, rtol=1e-7)
+    assert got.module.noted[-1] == ref.module.noted[-1] and sorted(ref.module.noted[-1]) == [0, 1, 2, 3]
+
+
+def test_snapshot_puts_back_what_a_call_put_into_or_took_out_of_its_containers() -> None:
+    from megatrain_lightning.engine.call_containers import Snapshot
+
+    inner, entries = [1], {"a": torch.zeros(1)}
+    kept = entries["a"]
+    args, kwargs = ((inner, 2),), {"cache": entries}
+    before = Snapshot(args, kwargs)
+    inner.append(3)
+    entries["b"] = torch.ones(1)
+    del entries["a"]
+    after = Snapshot(args, kwargs)
+    before.restore()
+    assert inner == [1] and list(entries) == ["a"] and entries["a"] is kept
+    after.restore()
+    assert inner == [1, 3] and list(entries) == ["b"]

@@ -22,7 +22,8 @@ transformers records (router logits: ``side_outputs.py``) leaves the collector d
 
 Under a narrow compute dtype the same graph shows the weights an op outside autocast's matmuls reads, and a few
 more runs of the forward without a graph (two, then one per weight of two or more dimensions, from one random
-state; once per class of block and training mode; not for a block handed a KV cache or a container; its forward
+state; once per class of block and training mode; not for a block handed a KV cache; each run starts from the
+containers it is handed as the call found them and leaves them as the call did, ``call_containers.py``; its forward
 hooks run too) those whose dtype changes what it computes (``wide_weights.py``): the call raises ``NarrowRead``,
 for the step to run again with them held in fp32.
 """
@@ -30,7 +31,6 @@ for the step to run again with them held in fp32.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, MutableMapping
 from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
@@ -40,7 +40,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
-from .wide_weights import GraphNodes, narrow_candidates, raise_narrow_reads
+from .call_containers import Snapshot, containers, holds_a_cache, tensors_in
+from .wide_weights import GraphNodes, narrow_candidates, outputs_and_gradients, raise_narrow_reads
 
 _FIX = "or stream another level with block_class=..."
 _READ_IN_INFERENCE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()  # per engine (see reads_only)
@@ -62,7 +63,7 @@ class FirstCall:
         self.plain = args, kwargs  # under inference_mode (validate, test, predict): what the call itself gets, after
         # the narrow weights' reads are looked for, once per block, in a call with a graph outside it (reads_only)
         looked = _READ_IN_INFERENCE.setdefault(engine, set())
-        self.reads_only = self.inference and self.narrow and block not in looked and _rerunnable(args, kwargs)
+        self.reads_only = self.inference and self.narrow and block not in looked and not holds_a_cache(args, kwargs)
         self.graph = (not self.inference and not self.grad or self.reads_only) and not nested
         self.complete = not self.inference and not nested  # else a later call is checked again
         with torch.inference_mode(False):
@@ -81,6 +82,9 @@ class FirstCall:
                 self.probed = {id(weights[i]) for i in probe}
         self.narrow = self.narrow and (not self.inference or self.reads_only)
         self.bound, self.args, self.kwargs = list(weights), args, kwargs
+        # the containers it is handed, before the call and after it: each rerun starts from the first, leaves the second
+        self.before: Snapshot = Snapshot(args, kwargs)
+        self.after: Snapshot | None = None
         self.inputs = [t for t in pytree.tree_leaves((args, kwargs))
                        if isinstance(t, torch.Tensor) and not t.is_inference()]
         self.versions = [t._version for t in self.inputs]
@@ -95,8 +99,8 @@ class FirstCall:
         names = self.names
         self._grad_hooks(names)
         attrs = dict(_tensor_attrs(self.module))
-        passed = _containers(self.args, self.kwargs)  # what the block may write into, and what they hold now
-        held = {name: {id(t) for t in _tensors_in(c)} for name, c in passed}
+        passed = containers(self.args, self.kwargs)  # what the block may write into, and what they hold now
+        held = {name: {id(t) for t in tensors_in(c)} for name, c in passed}
         hooked: list[tuple[str, weakref.ref]] = []
         handles = [m.register_forward_hook(_note_outputs(path, hooked))
                    for path, m in self.module.named_modules() if path and m._forward_hooks]
@@ -119,6 +123,7 @@ class FirstCall:
                 # reads the saved tensors: the call again from its random state, keeping them (this block's
                 # forward hooks and Python-side effects run twice in this first step).
                 _restore_rng(rng)
+                self.before.restore()
                 hooked.clear()
                 side_outputs.detach_since(recorded, drop=True)
                 nodes = self._watch()
@@ -135,12 +140,13 @@ class FirstCall:
                 h.remove()
         if any(t._version != v for t, v in zip(self.inputs, self.versions)):
             self._refuse_in_place()
+        self.after = Snapshot(self.args, self.kwargs)
         self._foreign(out, names)
         recomputed = _recomputed_weights(self.module)
         escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
                    if attrs.get((path, name)) is not t and self._trained(t) and (path, name) not in recomputed]
         escaped += [f"the {type(c).__name__} passed as its {name}" for name, c in passed
-                    if any(self._trained(t) and id(t) not in held[name] for t in _tensors_in(c))]
+                    if any(self._trained(t) and id(t) not in held[name] for t in tensors_in(c))]
         if not self.graph:
             if escaped:
                 self._refuse_escaped(escaped)
@@ -175,7 +181,7 @@ class FirstCall:
 
     def _narrow_reads(self, out: Any, nodes: Any, call: Callable[[tuple, dict], Any], rng: Any) -> None:
         """Raises ``NarrowRead`` (``wide_weights.raise_narrow_reads``), the forward run again if it may."""
-        rerun = partial(self._rerun, call, rng) if _rerunnable(self.args, self.kwargs) else None
+        rerun = None if holds_a_cache(self.args, self.kwargs) else partial(self._rerun, call, rng)
         raise_narrow_reads(self.engine, self.block, self.bound, out, nodes, rerun)
 
     def _watch(self) -> Any:  # under a narrow compute dtype, what the graph cannot show (wide_weights.GraphNodes)
@@ -195,13 +201,16 @@ class FirstCall:
             finally:
                 side = side_outputs.detach_since(recorded, drop=True)
                 _restore_rng(rng)
+                self.before.restore()  # the call itself comes next
+                self.after = self.before
             if built:  # a NarrowRead: looked for again in the rerun
                 self._narrow_reads((out, side), nodes, call, rng)
         _READ_IN_INFERENCE[self.engine].add(self.block)
 
-    def _rerun(self, call: Callable[[tuple, dict], Any], rng: Any, swaps: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """The forward again from the first call's random state (then back to the state after it), without a graph, the
-        weights at ``swaps``' indices bound to its tensors: its output tensors and what it recorded (dropped from there)."""
+    def _rerun(self, call: Callable[[tuple, dict], Any], rng: Any, swaps: dict[int, torch.Tensor]) -> Any:
+        """The forward and backward again from the first call's random state (then back to the state after it), the
+        weights at ``swaps``' indices bound to its tensors: its output tensors and what it recorded (dropped from there),
+        and the gradients (``wide_weights.outputs_and_gradients``)."""
         after, recorded, sites = (_rng_states(self.engine.streams.device), side_outputs.lengths(),
                                   self.engine.bindings[self.block].param_sites)
         held = [(m, name, m._parameters[name]) for i in swaps for m, name in sites[i]]
@@ -210,15 +219,15 @@ class FirstCall:
                 for m, name in sites[i]:
                     m._parameters[name] = t  # type: ignore[assignment]
             _restore_rng(rng)
-            with torch.no_grad():
-                out = call(self.args, self.kwargs)
-            return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] + \
-                side_outputs.detach_since(recorded, drop=True)
+            self.before.restore()
+            out, grads = outputs_and_gradients(call, self.args, self.kwargs, [swaps.get(i, w) for i, w in enumerate(self.bound)])
+            return out + side_outputs.detach_since(recorded, drop=True), grads
         finally:
             side_outputs.detach_since(recorded, drop=True)
             for m, name, t in held:
                 m._parameters[name] = t
             _restore_rng(after)
+            (self.after or self.before).restore()
 
     def _grad_hooks(self, names: dict[int, str]) -> None:
         ours = self.engine.outside.hook_ids()
@@ -375,25 +384,3 @@ def _tensor_attrs(module: nn.Module) -> Iterator[tuple[tuple[str, str], torch.Te
                 for k, v in value.items():
                     if isinstance(v, torch.Tensor):
                         yield (path, f"{name}[{k!r}]"), v
-
-
-def _rerunnable(args: tuple, kwargs: dict) -> bool:
-    """Whether a block's forward may run again: no state it writes into (a KV cache, Gemma3n's container) is passed."""
-    return not _containers(args, kwargs) and not any(
-        c.__name__ == "Cache" for v in pytree.tree_leaves((args, kwargs)) for c in type(v).__mro__)
-
-
-def _containers(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """The mutable containers (mappings, lists) among a block's arguments, named as its forward takes them."""
-    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"{k!r} argument", v) for k, v in kwargs.items()]
-    return [(n, v) for n, v in named if isinstance(v, (MutableMapping, list))]
-
-
-def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
-    """The tensors in a container, nested ``depth`` levels deep (Gemma3n: layer type -> (keys, values))."""
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
-    for v in items:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif depth > 1:
-            yield from _tensors_in(v, depth - 1)

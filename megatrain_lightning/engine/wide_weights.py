@@ -28,9 +28,11 @@ Two kinds of reads leave no trace in the graph. A weight read through its ``.dat
 update into its base weight's ``.data``), or under ``no_grad``: :class:`GraphNodes` follows those through the
 functions that move values on, up to the first that computes with them. And a weight whose dtype, not its values,
 changes what the block computes: peft's LoRA casts its input to ``lora_A``'s dtype (its dropout then runs in fp32
-under Lightning's bf16-mixed, here in bf16; DoRA and MiSS cast so too). :func:`dtype_reads` runs the block's forward
-again with one weight at a time bound as an fp32 copy of its bf16 values: the same values, so a matmul of it rounds
-to the same bits, and where an output's bits change, the weight's dtype changed what the block computes. Once per
+under Lightning's bf16-mixed, here in bf16; DoRA and MiSS cast so too), T5's feed-forward casts its hidden states to
+its output weight's dtype (the gradients of that weight's LoRA and base paths then meet in fp32 under Lightning's,
+here in bf16). :func:`dtype_reads` runs the block's forward and backward again with one weight at a time bound as an
+fp32 copy of its bf16 values: the same values, so a matmul of it rounds to the same bits, and where an output's or a
+gradient's bits change, the weight's dtype changed what the block computes. Once per
 class of block, set of candidates and training mode (the step then runs again, as above); transformers' grouped
 GEMM experts are left out: they compute in the weights' dtype, fp32 under Lightning's bf16-mixed
 (``docs/internals.md``), and held so here they would run the experts' matmuls, most of an MoE's work, in fp32.
@@ -247,25 +249,63 @@ def narrow_reads(out: Any, weights: Sequence[torch.Tensor], candidates: Sequence
     return found
 
 
-def dtype_reads(run: Callable[[dict[int, torch.Tensor]], list[torch.Tensor]], weights: Sequence[torch.Tensor],
-                candidates: Sequence[int]) -> dict[int, str]:
+Run = Callable[[dict[int, torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def dtype_reads(run: Run, weights: Sequence[torch.Tensor], candidates: Sequence[int]) -> dict[int, str]:
     """``{index into weights: "its dtype"}`` for each candidate whose dtype, not its values, changes what the block
-    computes (see the module's docstring). ``run(swaps)``: the block's forward from the same random state, without a
-    graph, the weights at ``swaps``' indices bound to its tensors; returns the outputs (and what the call recorded).
-    A weight of zeros (LoRA's ``lora_B`` before its first update) would hide what the ops before it did: the runs
-    bind random values there (bf16, in every run the same). A forward whose outputs differ between two runs of the
-    same weights tells nothing: ``{}``."""
+    computes (see the module's docstring). ``run(swaps)``: the block's forward from the same random state, the
+    weights at ``swaps``' indices bound to its tensors; returns its outputs (and what the call recorded) and the fp32
+    gradients of its inputs and weights for fixed cotangents (:func:`outputs_and_gradients`). A weight of zeros
+    (LoRA's ``lora_B`` before its first update) would hide what the ops before it did: the runs bind random values
+    there (bf16, in every run the same). A forward whose outputs differ between two runs of the same weights tells
+    nothing: ``{}``; a backward whose gradients do (atomics: CUDA's ``index_add_``, some attention backwards) leaves
+    the outputs alone to tell."""
     if not candidates:
         return {}
     zeros = [i for i in candidates if not weights[i].any()]
     generator = torch.Generator(weights[candidates[0]].device).manual_seed(0)
     base = {i: (torch.randn(weights[i].shape, generator=generator, device=weights[i].device)
-                / max(weights[i].shape[-1], 1) ** 0.5).to(weights[i].dtype) for i in zeros}
-    reference = run(base)
-    if not _same_bits(reference, run(base)):  # atomics (index_add_ on CUDA): no telling
+                / max(weights[i].shape[-1], 1) ** 0.5).to(weights[i].dtype).requires_grad_(weights[i].requires_grad)
+            for i in zeros}
+    reference, grads = run(base)
+    again, grads_again = run(base)
+    if not _same_bits(reference, again):
         return {}
-    return {i: "its dtype" for i in candidates
-            if not _same_bits(reference, run({**base, i: base.get(i, weights[i]).detach().float()}))}
+    backward = _same_bits(grads, grads_again)
+    found = {}
+    for i in candidates:
+        wide = base.get(i, weights[i]).detach().float().requires_grad_(weights[i].requires_grad)
+        out, g = run({**base, i: wide})
+        if not _same_bits(reference, out) or (backward and not _same_bits(grads, g)):
+            found[i] = "its dtype"
+    return found
+
+
+def outputs_and_gradients(call: Callable[[tuple, dict], Any], args: tuple, kwargs: dict,
+                          weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One run of :func:`dtype_reads`: ``call`` on leaves made of the floating tensors of ``args`` and ``kwargs``; its
+    output tensors, and the fp32 gradients of those leaves and of the ``weights`` that require grad for cotangents
+    drawn from a fixed seed (the same in every run); none where the forward cannot be differentiated. The graph lives
+    for this call alone (one block's activations)."""
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), (args, kwargs))
+    with torch.enable_grad():
+        out = call(args, kwargs)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    differentiable = [t for t in outs if t.requires_grad]
+    targets = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    targets += [w for w in weights if w.requires_grad]
+    grads: list[torch.Tensor] = []
+    if differentiable and targets:
+        generator = torch.Generator(differentiable[0].device).manual_seed(1)
+        cotangents = [torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype) for t in differentiable]
+        try:
+            grads = [g.float() for g in torch.autograd.grad(differentiable, targets, cotangents, allow_unused=True)
+                     if g is not None]
+        except RuntimeError:  # a forward that differentiates inside, say: its outputs alone tell
+            grads = []
+    return [t.detach() for t in outs], grads
 
 
 def _same_bits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
