@@ -223,6 +223,63 @@ def test_the_same_dataclass_registered_with_pytree_trains_exactly() -> None:
         pytree._deregister_pytree_node(Skip)
 
 
+class Skips(dict):
+    """A dict of a class of its own: torch's pytree leaves it whole (as transformers' KVSharingDict)."""
+
+
+class SkipsBlock(MLPBlock):
+    def forward(self, x: torch.Tensor, skips: Skips) -> torch.Tensor:
+        return super().forward(x) + 0.5 * skips["first"]
+
+
+class SkipsModel(TokenBlocks):
+    """Block 0's output reaches the later blocks inside a dict subclass."""
+
+    block_cls = SkipsBlock
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        skips = Skips(first=torch.zeros_like(h))
+        for i, block in enumerate(self.blocks):
+            h = block(h, skips)
+            if i == 0:
+                skips["first"] = h
+        return self.norm(h)
+
+
+def test_a_grad_tensor_inside_a_dict_subclass_argument_is_refused_in_the_first_forward() -> None:
+    """The dict would be a constant of block 1's call, so block 0 would lose the skip's gradient. Before, the refusal
+    came from the first call's walk, which found the skip's history reaching embed.weight and named that as a
+    parameter read through an attribute: the wrong cause and fix."""
+    refused_in_the_first_forward(SkipsModel, r"block 1 \(SkipsBlock\).*\(an item of its Skips\).*plain tuple, list or dict")
+
+
+class CountingBlock(MLPBlock):
+    def forward(self, x: torch.Tensor, counts: dict) -> torch.Tensor:
+        counts["calls"] = counts.get("calls", 0) + 1  # what the model reads after the blocks
+        return super().forward(x)
+
+
+class CountingModel(TokenBlocks):
+    """The blocks count their calls into a plain dict the model reads after them (a mask computed once and reused
+    would come the same way)."""
+
+    block_cls = CountingBlock
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        h, counts = self.embed(x), {}
+        for block in self.blocks:
+            h = block(h, counts)
+        return self.norm(h) * counts.get("calls", 1) / len(self.blocks)
+
+
+def test_a_block_writing_into_a_plain_dict_it_is_handed_is_refused_in_the_first_forward() -> None:
+    """In a step a streamed block is handed torch's pytree's rebuild of a plain dict or list: the model's dict stayed
+    empty, so its output was scaled by 1/2 instead of 1, silently (the losses differed from the first step)."""
+    refused_in_the_first_forward(CountingModel, r"block 0 \(CountingBlock\).*writes into the argument 1 \(a plain dict or list\).*"
+                                 r"a subclass of dict or list is handed as it is")
+
+
 class ReentrantBlock(MLPBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + checkpoint(lambda h: self.fc2(F.gelu(self.fc1(self.norm(h)))), x, use_reentrant=True)

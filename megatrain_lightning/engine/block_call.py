@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .block import CallSpec, StreamedBlock
-from .first_call import FirstCall, refuse_hidden_grad_tensors
+from .call_containers import refuse_hidden_grad_tensors
+from .first_call import FirstCall
 from .phase import Phase
 
 

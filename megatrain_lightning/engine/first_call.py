@@ -40,10 +40,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import side_outputs
+from .call_containers import FIX as _FIX
 from .call_containers import Snapshot, containers, holds_a_cache, tensors_in
 from .wide_weights import GraphNodes, narrow_candidates, outputs_and_gradients, raise_narrow_reads
 
-_FIX = "or stream another level with block_class=..."
 _READ_IN_INFERENCE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()  # per engine (see reads_only)
 
 
@@ -141,6 +141,9 @@ class FirstCall:
         if any(t._version != v for t, v in zip(self.inputs, self.versions)):
             self._refuse_in_place()
         self.after = Snapshot(self.args, self.kwargs)
+        # in a step the block is handed pytree's rebuild of a plain container, not the caller's: refused after escapes
+        self.rebuilt = [] if self.inference else [
+            name for name, c in passed if type(c) in pytree.SUPPORTED_NODES and self.before.differs(c)]
         self._foreign(out, names)
         recomputed = _recomputed_weights(self.module)
         escaped = [self._qualified(path, name) for (path, name), t in _tensor_attrs(self.module)
@@ -148,8 +151,7 @@ class FirstCall:
         escaped += [f"the {type(c).__name__} passed as its {name}" for name, c in passed
                     if any(self._trained(t) and id(t) not in held[name] for t in tensors_in(c))]
         if not self.graph:
-            if escaped:
-                self._refuse_escaped(escaped)
+            self._refuse_lost(escaped)
             if self.grad:
                 self._narrow_reads(out, nodes, call, rng)
             return out if self.grad else pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
@@ -158,8 +160,7 @@ class FirstCall:
         out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)  # the graph goes with the last reference
         escaped += sorted({f"{self._qualified(path)}'s output (a forward hook)" for path, ref in hooked
                            if (t := ref()) is not None and self._trained(t) and not any(t is r for r in side)})
-        if escaped:
-            self._refuse_escaped(escaped)
+        self._refuse_lost(escaped)
         return out
 
     def _trained(self, t: torch.Tensor) -> bool:
@@ -276,6 +277,19 @@ class FirstCall:
             "activation checkpoint around the block from recording it). torch.autograd.grad inside the forward "
             f"(under torch.enable_grad(), with create_graph=torch.is_grad_enabled()) trains exactly, {_FIX}")
 
+    def _refuse_lost(self, escaped: list[str]) -> None:
+        """Refuses what the caller would not get: tensors with a gradient history kept beyond the outputs, then what
+        the block wrote into a plain container it is handed (``self.rebuilt``)."""
+        if escaped:
+            self._refuse_escaped(escaped)
+        if self.rebuilt:
+            raise RuntimeError(
+                f"{self._what()}: its forward writes into the {', '.join(self.rebuilt[:4])} (a plain dict or list), and "
+                "in a step a streamed block is handed a rebuilt copy of it (its tensors travel through the strategy's "
+                "autograd Function), so the caller would not see what the block puts there. Keep such state on a module "
+                "(an attribute, replaced rather than appended to: the backward's recompute runs the forward again), or "
+                f"pass a container of a class of your own (a subclass of dict or list is handed as it is), {_FIX}")
+
     def _refuse_escaped(self, where: list[str]) -> None:
         raise RuntimeError(
             f"{self._what()}: its forward keeps tensors with a gradient history beyond its outputs "
@@ -293,30 +307,6 @@ class FirstCall:
 
     def _what(self) -> str:
         return f"MegaTrainStrategy cannot train block {self.block} ({type(self.module).__name__}) exactly"
-
-
-_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def refuse_hidden_grad_tensors(index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A call with grad: refuses a tensor with a gradient history that an argument holds where torch's pytree
-    does not look (a dataclass's field, an object's attribute). The Function would take it as a constant of
-    the call, so no gradient would flow back through it. Every call (such arguments may be built per step);
-    about 10 us for a decoder layer's arguments."""
-    hidden = []
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, (torch.Tensor, nn.Module, type, *_PLAIN)) or callable(leaf) or not hasattr(leaf, "__dict__"):
-            continue
-        for attr, value in vars(leaf).items():
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
-                hidden.append(f"{type(leaf).__name__}.{attr}")
-    if hidden:
-        raise RuntimeError(
-            f"MegaTrainStrategy cannot train block {index} ({type(block).__name__}) exactly: an argument of its "
-            f"call holds a tensor with a gradient history where torch's pytree does not look ({', '.join(hidden[:4])}), "
-            "so the streamed block would take it as a constant and no gradient would flow back through it. Pass "
-            "the tensor as an argument of its own (or in a tuple, list or dict), register the class with "
-            f"torch.utils._pytree.register_dataclass, {_FIX}")
 
 
 _INSIDE = "a block differentiated inside its own forward"
