@@ -21,7 +21,7 @@ test, predict) only the narrow weights' reads below are looked for (once per blo
 transformers records (router logits: ``side_outputs.py``) leaves the collector detached: the Function returns it.
 
 Under a narrow compute dtype the same graph shows the weights an op outside autocast's matmuls reads, and a few
-more runs of the forward without a graph (two, then one per weight of two or more dimensions, from one random
+more runs of the forward and backward (two, then one per weight of two or more dimensions, from one random
 state; once per class of block and training mode; not for a block handed a KV cache; each run starts from the
 containers it is handed as the call found them and leaves them as the call did, ``call_containers.py``; its forward
 hooks run too) those whose dtype changes what it computes (``wide_weights.py``): the call raises ``NarrowRead``,
@@ -85,6 +85,7 @@ class FirstCall:
         # the containers it is handed, before the call and after it: each rerun starts from the first, leaves the second
         self.before: Snapshot = Snapshot(args, kwargs)
         self.after: Snapshot | None = None
+        self.rebuilt: list[str] = []  # the plain containers it wrote into, in a step (see _refuse_lost)
         self.inputs = [t for t in pytree.tree_leaves((args, kwargs))
                        if isinstance(t, torch.Tensor) and not t.is_inference()]
         self.versions = [t._version for t in self.inputs]
