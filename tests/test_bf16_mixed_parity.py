@@ -187,7 +187,7 @@ def test_dtype_reads_finds_a_weight_whose_dtype_sets_where_gradients_meet() -> N
     """T5's feed-forward casts its hidden states to its output weight's dtype when they differ: under Lightning's
     bf16-mixed (fp32 weights) the gradients of that weight's base and LoRA paths meet in fp32 before the cast, here in
     bf16. The forward rounds to the same bits either way; the backward does not (a LoRA on a T5, an fp32 base, LoRA's
-    dropout on: 2.3e-4 in the loss after 3 steps, all 3 found only by the gradients)."""
+    dropout on: 2.3e-4 in the loss after 3 steps; the outputs alone show nothing)."""
     x = torch.randn(4, 8, requires_grad=True)
     wo, lora_a, lora_b = torch.randn(8, 8).bfloat16(), torch.randn(2, 8).requires_grad_(), torch.randn(8, 2).requires_grad_()
 
